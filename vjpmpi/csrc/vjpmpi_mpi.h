@@ -1,0 +1,419 @@
+// Shared MPI layer of the vjpmpi kernels: handle conversion, dtype and reduction
+// mapping (with user-defined ops for float16/bfloat16), error strings, and one
+// function per MPI call shape working on plain host pointers.  A backend file
+// (cpu_ffi.cc; a CUDA file later) binds XLA FFI buffers to these functions.
+#pragma once
+
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <type_traits>
+
+namespace vjpmpi {
+
+// ---------------------------------------------------------------- handles --
+// mpi4py exposes `handle` as an integer: the MPI_Comm value itself for the
+// MPICH ABI (an int), the object's address for Open MPI (a pointer).
+template <typename H>
+inline H FromHandle(int64_t h) {
+  if constexpr (std::is_pointer_v<H>) {
+    return reinterpret_cast<H>(static_cast<uintptr_t>(h));
+  } else {
+    return static_cast<H>(h);
+  }
+}
+
+// ------------------------------------------------------------- reductions --
+// Reduction codes shared with vjpmpi/_src/_mpi.py (keep in sync).
+enum class Red : int {
+  kSum = 0, kProd = 1, kMax = 2, kMin = 3, kLand = 4, kLor = 5, kLxor = 6,
+  kBand = 7, kBor = 8, kBxor = 9
+};
+
+// Element kinds the kernels know; shared with Python through the FFI dtype.
+enum class Kind {
+  kBool, kI8, kI16, kI32, kI64, kU8, kU16, kU32, kU64,
+  kF16, kBF16, kF32, kF64, kC64, kC128, kUnsupported
+};
+
+// ---------------------------------------------------- float16 / bfloat16 --
+inline float HalfToFloat(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      int e = -1;
+      do { ++e; man <<= 1; } while ((man & 0x400u) == 0);
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t FloatToHalf(float f) {  // round to nearest even
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000u;
+  uint32_t absx = x & 0x7fffffffu;
+  if (absx >= 0x7f800000u) {  // inf or nan
+    return (uint16_t)(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0u));
+  }
+  if (absx >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // overflow
+  if (absx < 0x38800000u) {  // result is subnormal or zero
+    if (absx < 0x33000000u) return (uint16_t)sign;
+    uint32_t e = absx >> 23;
+    uint32_t man = (absx & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126 - e;  // 14 + (113 - e) - 1
+    uint32_t half = man >> shift;
+    uint32_t rem = man & ((1u << shift) - 1);
+    uint32_t mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (half & 1u))) ++half;
+    return (uint16_t)(sign | half);
+  }
+  uint32_t half = ((absx - 0x38000000u) >> 13);
+  uint32_t rem = absx & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (half & 1u))) ++half;
+  return (uint16_t)(sign | half);
+}
+
+inline float BF16ToFloat(uint16_t h) {
+  uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t FloatToBF16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+  uint32_t lsb = (x >> 16) & 1u;
+  x += 0x7fffu + lsb;
+  return (uint16_t)(x >> 16);
+}
+
+template <uint16_t (*ToBits)(float), float (*FromBits)(uint16_t), Red R>
+void HalfReduce(void* in, void* inout, int* len, MPI_Datatype*) {
+  const uint16_t* a = static_cast<const uint16_t*>(in);
+  uint16_t* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    float x = FromBits(a[i]), y = FromBits(b[i]), r;
+    if constexpr (R == Red::kSum) r = x + y;
+    else if constexpr (R == Red::kProd) r = x * y;
+    else if constexpr (R == Red::kMax) r = (x != x || y != y) ? x + y : (x > y ? x : y);
+    else r = (x != x || y != y) ? x + y : (x < y ? x : y);
+    b[i] = ToBits(r);
+  }
+}
+
+// User-defined MPI ops for float16 and bfloat16, made once after MPI_Init.
+inline MPI_Op HalfOp(bool bf16, Red r) {
+  static std::once_flag once;
+  static MPI_Op ops[2][4];
+  std::call_once(once, [] {
+    MPI_Op_create(&HalfReduce<FloatToHalf, HalfToFloat, Red::kSum>, 1, &ops[0][0]);
+    MPI_Op_create(&HalfReduce<FloatToHalf, HalfToFloat, Red::kProd>, 1, &ops[0][1]);
+    MPI_Op_create(&HalfReduce<FloatToHalf, HalfToFloat, Red::kMax>, 1, &ops[0][2]);
+    MPI_Op_create(&HalfReduce<FloatToHalf, HalfToFloat, Red::kMin>, 1, &ops[0][3]);
+    MPI_Op_create(&HalfReduce<FloatToBF16, BF16ToFloat, Red::kSum>, 1, &ops[1][0]);
+    MPI_Op_create(&HalfReduce<FloatToBF16, BF16ToFloat, Red::kProd>, 1, &ops[1][1]);
+    MPI_Op_create(&HalfReduce<FloatToBF16, BF16ToFloat, Red::kMax>, 1, &ops[1][2]);
+    MPI_Op_create(&HalfReduce<FloatToBF16, BF16ToFloat, Red::kMin>, 1, &ops[1][3]);
+  });
+  return ops[bf16 ? 1 : 0][static_cast<int>(r)];
+}
+
+inline MPI_Datatype Datatype(Kind k) {
+  switch (k) {
+    case Kind::kBool: return MPI_C_BOOL;
+    case Kind::kI8: return MPI_INT8_T;
+    case Kind::kI16: return MPI_INT16_T;
+    case Kind::kI32: return MPI_INT32_T;
+    case Kind::kI64: return MPI_INT64_T;
+    case Kind::kU8: return MPI_UINT8_T;
+    case Kind::kU16: return MPI_UINT16_T;
+    case Kind::kU32: return MPI_UINT32_T;
+    case Kind::kU64: return MPI_UINT64_T;
+    case Kind::kF16: return MPI_UINT16_T;   // moved as bits, reduced by HalfOp
+    case Kind::kBF16: return MPI_UINT16_T;
+    case Kind::kF32: return MPI_FLOAT;
+    case Kind::kF64: return MPI_DOUBLE;
+    case Kind::kC64: return MPI_C_FLOAT_COMPLEX;
+    case Kind::kC128: return MPI_C_DOUBLE_COMPLEX;
+    default: return MPI_DATATYPE_NULL;
+  }
+}
+
+inline size_t ByteSize(Kind k) {
+  switch (k) {
+    case Kind::kBool: case Kind::kI8: case Kind::kU8: return 1;
+    case Kind::kI16: case Kind::kU16: case Kind::kF16: case Kind::kBF16: return 2;
+    case Kind::kI32: case Kind::kU32: case Kind::kF32: return 4;
+    case Kind::kI64: case Kind::kU64: case Kind::kF64: case Kind::kC64: return 8;
+    case Kind::kC128: return 16;
+    default: return 0;
+  }
+}
+
+// The MPI_Op for a reduction code on an element kind; MPI_OP_NULL if the pair
+// is not supported (Python validates first, this is the backstop).
+inline MPI_Op Operation(Red r, Kind k) {
+  if (k == Kind::kF16 || k == Kind::kBF16) {
+    if (static_cast<int>(r) > static_cast<int>(Red::kMin)) return MPI_OP_NULL;
+    return HalfOp(k == Kind::kBF16, r);
+  }
+  switch (r) {
+    case Red::kSum: return MPI_SUM;
+    case Red::kProd: return MPI_PROD;
+    case Red::kMax: return MPI_MAX;
+    case Red::kMin: return MPI_MIN;
+    case Red::kLand: return MPI_LAND;
+    case Red::kLor: return MPI_LOR;
+    case Red::kLxor: return MPI_LXOR;
+    case Red::kBand: return MPI_BAND;
+    case Red::kBor: return MPI_BOR;
+    case Red::kBxor: return MPI_BXOR;
+  }
+  return MPI_OP_NULL;
+}
+
+// ------------------------------------------------- identity (for exscan) --
+template <typename T>
+T Identity(Red r) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return r == Red::kLand || r == Red::kBand || r == Red::kMin;
+  } else if constexpr (std::is_integral_v<T>) {
+    switch (r) {
+      case Red::kProd: case Red::kLand: return T(1);
+      case Red::kMax: return std::numeric_limits<T>::lowest();
+      case Red::kMin: return std::numeric_limits<T>::max();
+      case Red::kBand: return static_cast<T>(~T(0));
+      default: return T(0);
+    }
+  } else {
+    switch (r) {
+      case Red::kProd: return T(1);
+      case Red::kMax: return -std::numeric_limits<T>::infinity();
+      case Red::kMin: return std::numeric_limits<T>::infinity();
+      default: return T(0);
+    }
+  }
+}
+
+template <typename T>
+void FillT(void* buf, size_t n, T v) {
+  T* p = static_cast<T*>(buf);
+  for (size_t i = 0; i < n; ++i) p[i] = v;
+}
+
+inline void FillIdentity(void* buf, size_t n, Kind k, Red r) {
+  switch (k) {
+    case Kind::kBool: return FillT<bool>(buf, n, Identity<bool>(r));
+    case Kind::kI8: return FillT<int8_t>(buf, n, Identity<int8_t>(r));
+    case Kind::kI16: return FillT<int16_t>(buf, n, Identity<int16_t>(r));
+    case Kind::kI32: return FillT<int32_t>(buf, n, Identity<int32_t>(r));
+    case Kind::kI64: return FillT<int64_t>(buf, n, Identity<int64_t>(r));
+    case Kind::kU8: return FillT<uint8_t>(buf, n, Identity<uint8_t>(r));
+    case Kind::kU16: return FillT<uint16_t>(buf, n, Identity<uint16_t>(r));
+    case Kind::kU32: return FillT<uint32_t>(buf, n, Identity<uint32_t>(r));
+    case Kind::kU64: return FillT<uint64_t>(buf, n, Identity<uint64_t>(r));
+    case Kind::kF16: return FillT<uint16_t>(buf, n, FloatToHalf(Identity<float>(r)));
+    case Kind::kBF16: return FillT<uint16_t>(buf, n, FloatToBF16(Identity<float>(r)));
+    case Kind::kF32: return FillT<float>(buf, n, Identity<float>(r));
+    case Kind::kF64: return FillT<double>(buf, n, Identity<double>(r));
+    case Kind::kC64: {  // complex: real part = identity, imaginary part 0
+      float* p = static_cast<float*>(buf);
+      for (size_t i = 0; i < n; ++i) { p[2 * i] = Identity<float>(r); p[2 * i + 1] = 0.f; }
+      return;
+    }
+    case Kind::kC128: {
+      double* p = static_cast<double*>(buf);
+      for (size_t i = 0; i < n; ++i) { p[2 * i] = Identity<double>(r); p[2 * i + 1] = 0.0; }
+      return;
+    }
+    default: return;
+  }
+}
+
+// ----------------------------------------------------------------- errors --
+// Empty string on success, else "vjpmpi.<op>: <what>: <MPI error string>".
+inline std::string Check(int rc, const char* op, const char* what) {
+  if (rc == MPI_SUCCESS) return {};
+  char msg[MPI_MAX_ERROR_STRING + 1];
+  int len = 0;
+  if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) len = 0;
+  msg[len] = '\0';
+  return std::string("vjpmpi.") + op + ": " + what + " failed: " + msg;
+}
+
+inline std::string CountCheck(size_t n, const char* op) {
+  if (n > static_cast<size_t>(INT_MAX)) {
+    return std::string("vjpmpi.") + op +
+           ": message of " + std::to_string(n) +
+           " elements exceeds MPI's int count limit (2**31 - 1)";
+  }
+  return {};
+}
+
+// A collective call on host pointers; `count` is the element count of one
+// block (the whole local array for elementwise ops, one rank's block for the
+// gather/scatter family).  `send == recv` means in place.
+struct Call {
+  const char* op;
+  MPI_Comm comm;
+  Kind kind;
+  size_t count;   // elements sent (per rank block for the gather family)
+  size_t count2;  // elements received, where that differs (sendrecv)
+  Red red;
+  int root;
+  int peer;    // dest for send / sendrecv
+  int peer2;   // source for recv / sendrecv
+  int tag;
+  int tag2;
+  MPI_Status* status;
+};
+
+inline int Rank(MPI_Comm c) { int r = 0; MPI_Comm_rank(c, &r); return r; }
+
+// ----------------------------------------------------- one per call shape --
+inline std::string Allreduce(const Call& c, const void* send, void* recv) {
+  auto e = CountCheck(c.count, c.op);
+  if (!e.empty()) return e;
+  const void* s = send == recv ? MPI_IN_PLACE : send;
+  return Check(MPI_Allreduce(s, recv, (int)c.count, Datatype(c.kind),
+                             Operation(c.red, c.kind), c.comm), c.op, "MPI_Allreduce");
+}
+
+inline std::string Reduce(const Call& c, const void* send, void* recv) {
+  auto e = CountCheck(c.count, c.op);
+  if (!e.empty()) return e;
+  bool root = Rank(c.comm) == c.root;
+  if (!root && send != recv) std::memcpy(recv, send, c.count * ByteSize(c.kind));
+  const void* s = (root && send == recv) ? MPI_IN_PLACE : send;
+  return Check(MPI_Reduce(s, root ? recv : nullptr, (int)c.count, Datatype(c.kind),
+                          Operation(c.red, c.kind), c.root, c.comm), c.op, "MPI_Reduce");
+}
+
+inline std::string Bcast(const Call& c, const void* send, void* recv) {
+  auto e = CountCheck(c.count, c.op);
+  if (!e.empty()) return e;
+  if (send != recv && Rank(c.comm) == c.root) std::memcpy(recv, send, c.count * ByteSize(c.kind));
+  return Check(MPI_Bcast(recv, (int)c.count, Datatype(c.kind), c.root, c.comm), c.op, "MPI_Bcast");
+}
+
+inline std::string Allgather(const Call& c, const void* send, void* recv) {
+  auto e = CountCheck(c.count, c.op);
+  if (!e.empty()) return e;
+  MPI_Datatype t = Datatype(c.kind);
+  return Check(MPI_Allgather(send, (int)c.count, t, recv, (int)c.count, t, c.comm), c.op,
+               "MPI_Allgather");
+}
+
+inline std::string Gather(const Call& c, const void* send, void* recv) {
+  auto e = CountCheck(c.count, c.op);
+  if (!e.empty()) return e;
+  MPI_Datatype t = Datatype(c.kind);
+  bool root = Rank(c.comm) == c.root;
+  if (!root && send != recv) std::memcpy(recv, send, c.count * ByteSize(c.kind));
+  return Check(MPI_Gather(send, (int)c.count, t, root ? recv : nullptr, (int)c.count, t, c.root,
+                          c.comm), c.op, "MPI_Gather");
+}
+
+inline std::string Scatter(const Call& c, const void* send, void* recv) {
+  auto e = CountCheck(c.count, c.op);
+  if (!e.empty()) return e;
+  MPI_Datatype t = Datatype(c.kind);
+  bool root = Rank(c.comm) == c.root;
+  return Check(MPI_Scatter(root ? send : nullptr, (int)c.count, t, recv, (int)c.count, t, c.root,
+                           c.comm), c.op, "MPI_Scatter");
+}
+
+inline std::string Alltoall(const Call& c, const void* send, void* recv) {
+  auto e = CountCheck(c.count, c.op);
+  if (!e.empty()) return e;
+  MPI_Datatype t = Datatype(c.kind);
+  const void* s = send == recv ? MPI_IN_PLACE : send;
+  return Check(MPI_Alltoall(s, (int)c.count, t, recv, (int)c.count, t, c.comm), c.op,
+               "MPI_Alltoall");
+}
+
+inline std::string ReduceScatter(const Call& c, const void* send, void* recv) {
+  auto e = CountCheck(c.count, c.op);
+  if (!e.empty()) return e;
+  return Check(MPI_Reduce_scatter_block(send, recv, (int)c.count, Datatype(c.kind),
+                                        Operation(c.red, c.kind), c.comm), c.op,
+               "MPI_Reduce_scatter_block");
+}
+
+inline std::string Scan(const Call& c, const void* send, void* recv) {
+  auto e = CountCheck(c.count, c.op);
+  if (!e.empty()) return e;
+  const void* s = send == recv ? MPI_IN_PLACE : send;
+  return Check(MPI_Scan(s, recv, (int)c.count, Datatype(c.kind), Operation(c.red, c.kind),
+                        c.comm), c.op, "MPI_Scan");
+}
+
+inline std::string Exscan(const Call& c, const void* send, void* recv) {
+  auto e = CountCheck(c.count, c.op);
+  if (!e.empty()) return e;
+  const void* s = send == recv ? MPI_IN_PLACE : send;
+  e = Check(MPI_Exscan(s, recv, (int)c.count, Datatype(c.kind), Operation(c.red, c.kind),
+                       c.comm), c.op, "MPI_Exscan");
+  if (e.empty() && Rank(c.comm) == 0) FillIdentity(recv, c.count, c.kind, c.red);
+  return e;
+}
+
+inline std::string Send(const Call& c, const void* send, void*) {
+  auto e = CountCheck(c.count, c.op);
+  if (!e.empty()) return e;
+  return Check(MPI_Send(send, (int)c.count, Datatype(c.kind), c.peer, c.tag, c.comm), c.op,
+               "MPI_Send");
+}
+
+inline std::string Recv(const Call& c, const void*, void* recv) {
+  auto e = CountCheck(c.count, c.op);
+  if (!e.empty()) return e;
+  MPI_Status st;
+  e = Check(MPI_Recv(recv, (int)c.count, Datatype(c.kind), c.peer2, c.tag2, c.comm, &st), c.op,
+            "MPI_Recv");
+  if (c.status) *c.status = st;
+  return e;
+}
+
+inline std::string Sendrecv(const Call& c, const void* send, void* recv) {
+  auto e = CountCheck(c.count > c.count2 ? c.count : c.count2, c.op);
+  if (!e.empty()) return e;
+  MPI_Status st;
+  MPI_Datatype t = Datatype(c.kind);
+  e = Check(MPI_Sendrecv(send, (int)c.count, t, c.peer, c.tag, recv, (int)c.count2, t, c.peer2,
+                         c.tag2, c.comm, &st), c.op, "MPI_Sendrecv");
+  if (c.status) *c.status = st;
+  return e;
+}
+
+inline std::string Barrier(const Call& c, const void*, void*) {
+  return Check(MPI_Barrier(c.comm), c.op, "MPI_Barrier");
+}
+
+}  // namespace vjpmpi
