@@ -1,6 +1,7 @@
 // CPU backend: binds XLA FFI buffers (host memory) to the shared MPI layer.
 // Every handler takes the ordering token last and returns it last; the token
 // carries no data, it only orders the custom calls inside one XLA program.
+#include <atomic>
 #include <string>
 
 #include "nanobind/nanobind.h"
@@ -59,6 +60,22 @@ Call MakeCall(const char* name, int64_t comm, int64_t red, int64_t root, int64_t
   return c;
 }
 
+// Counts kernel entries that found another vjpmpi kernel of this process still
+// running: with a correct token chain this stays 0 (checked by the tests).
+std::atomic<int64_t> in_flight{0};
+std::atomic<int64_t> overlaps{0};
+std::atomic<int64_t> calls{0};
+
+struct InFlight {
+  InFlight() {
+    calls.fetch_add(1, std::memory_order_relaxed);
+    if (in_flight.fetch_add(1, std::memory_order_acq_rel) != 0) {
+      overlaps.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  ~InFlight() { in_flight.fetch_sub(1, std::memory_order_acq_rel); }
+};
+
 ffi::Error Finish(const std::string& err) {
   return err.empty() ? ffi::Error::Success() : ffi::Error::Internal(err);
 }
@@ -68,6 +85,7 @@ template <Impl F, Count N>
 ffi::Error Unary(const char* name, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                  int64_t comm, int64_t red, int64_t root, int64_t peer, int64_t peer2,
                  int64_t tag, int64_t tag2, int64_t status) {
+  InFlight guard;
   Call c = MakeCall(name, comm, red, root, peer, peer2, tag, tag2, status);
   c.kind = KindOf(x.element_type());
   if (c.kind == Kind::kUnsupported) return Unsupported(name);
@@ -125,6 +143,7 @@ VJPMPI_UNARY(kRecv, "recv", Recv, Count::kOut)
 ffi::Error SendImpl(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::Token>, int64_t comm,
                     int64_t red, int64_t root, int64_t peer, int64_t peer2, int64_t tag,
                     int64_t tag2, int64_t status) {
+  InFlight guard;
   Call c = MakeCall("send", comm, red, root, peer, peer2, tag, tag2, status);
   c.kind = KindOf(x.element_type());
   if (c.kind == Kind::kUnsupported) return Unsupported("send");
@@ -143,6 +162,7 @@ ffi::Error SendrecvImpl(ffi::AnyBuffer x, ffi::AnyBuffer, ffi::Token,
                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t comm,
                         int64_t red, int64_t root, int64_t peer, int64_t peer2, int64_t tag,
                         int64_t tag2, int64_t status) {
+  InFlight guard;
   Call c = MakeCall("sendrecv", comm, red, root, peer, peer2, tag, tag2, status);
   c.kind = KindOf(x.element_type());
   if (c.kind == Kind::kUnsupported || KindOf(y->element_type()) != c.kind) {
@@ -165,6 +185,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kSendrecv, SendrecvImpl,
 ffi::Error BarrierImpl(ffi::Token, ffi::Result<ffi::Token>, int64_t comm, int64_t red,
                        int64_t root, int64_t peer, int64_t peer2, int64_t tag, int64_t tag2,
                        int64_t status) {
+  InFlight guard;
   Call c = MakeCall("barrier", comm, red, root, peer, peer2, tag, tag2, status);
   c.kind = Kind::kU8;
   return Finish(Barrier(c, nullptr, nullptr));
@@ -216,6 +237,10 @@ NB_MODULE(_vjpmpi_cpu, m) {
   // The MPI library these kernels resolved at load time (checked at import
   // against the one mpi4py loaded).
   m.def("library_version", &LibraryVersion);
+  // (kernel calls, calls that overlapped another running vjpmpi kernel)
+  m.def("call_counts", []() {
+    return nb::make_tuple(calls.load(), overlaps.load());
+  });
 #if defined(OPEN_MPI) && OPEN_MPI
   m.attr("abi") = nb::str("openmpi");
 #elif defined(MPICH_VERSION)
