@@ -1,0 +1,54 @@
+"""Multi-rank suite: runs on every rank under mpiexec (see tests/test_multirank.py).
+
+A failing test on any rank aborts the whole job (after printing the report),
+so the other ranks never wait forever in a collective the failed rank skipped.
+"""
+
+import sys
+
+import jax
+import pytest
+from mpi4py import MPI
+
+jax.config.update("jax_enable_x64", True)
+
+WORLD = MPI.COMM_WORLD
+
+
+def pytest_runtest_logreport(report):
+    if report.failed:
+        sys.stderr.write(
+            f"\n==== rank {WORLD.rank}/{WORLD.size}: {report.nodeid} FAILED ({report.when}) ====\n"
+            f"{report.longreprtext}\n"
+        )
+        sys.stderr.flush()
+        sys.stdout.flush()
+        WORLD.Abort(1)
+
+
+def _make_comm(kind):
+    if kind == "default":
+        return None
+    if kind == "world":
+        return WORLD
+    if kind == "dup":
+        return WORLD.Dup()
+    if kind == "split":  # two halves, the upper one in reverse rank order
+        half = WORLD.rank >= (WORLD.size + 1) // 2
+        return WORLD.Split(int(half), -WORLD.rank if half else WORLD.rank)
+    if kind == "cart":
+        return WORLD.Create_cart([WORLD.size], periods=[True])
+    if kind == "self":
+        return MPI.COMM_SELF
+    raise ValueError(kind)
+
+
+COMM_KINDS = ["default", "world", "dup", "split", "cart", "self"]
+
+
+@pytest.fixture(params=COMM_KINDS)
+def comm(request):
+    c = _make_comm(request.param)
+    yield c
+    if request.param in ("dup", "split", "cart"):
+        c.Free()

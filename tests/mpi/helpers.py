@@ -1,0 +1,95 @@
+"""References and data for the multi-rank suite."""
+
+import functools
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from mpi4py import MPI
+
+WORLD = MPI.COMM_WORLD
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+DTYPES = [
+    np.dtype(t)
+    for t in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+              "float16", "float32", "float64", "complex64", "complex128")
+] + [BF16]
+
+FLOAT_REDS = ["SUM", "PROD", "MAX", "MIN"]
+INT_REDS = ["SUM", "PROD", "MAX", "MIN", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR"]
+BOOL_REDS = ["LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR", "MAX", "MIN"]
+COMPLEX_REDS = ["SUM", "PROD"]
+
+
+def reductions(dtype):
+    if dtype == np.bool_:
+        return BOOL_REDS
+    if dtype.kind in "iu":
+        return INT_REDS
+    if dtype.kind == "c":
+        return COMPLEX_REDS
+    return FLOAT_REDS
+
+
+def _logical(f):
+    return lambda a, b: f(a != 0, b != 0).astype(a.dtype)
+
+
+NP_REDS = {
+    "SUM": np.add, "PROD": np.multiply, "MAX": np.maximum, "MIN": np.minimum,
+    "LAND": _logical(np.logical_and), "LOR": _logical(np.logical_or),
+    "LXOR": _logical(np.logical_xor), "BAND": np.bitwise_and, "BOR": np.bitwise_or,
+    "BXOR": np.bitwise_xor,
+}
+BOOL_NP = {"BAND": "LAND", "BOR": "LOR", "BXOR": "LXOR", "MAX": "LOR", "MIN": "LAND"}
+
+
+def np_reduce(red, arrays, dtype):
+    if dtype == np.bool_:
+        red = BOOL_NP.get(red, red)
+    out = functools.reduce(NP_REDS[red], [np.asarray(a, dtype) for a in arrays])
+    return np.asarray(out, dtype)
+
+
+def identity(red, shape, dtype):
+    """The identity of a reduction (what exscan gives rank 0)."""
+    if dtype == np.bool_:
+        red = BOOL_NP.get(red, red)
+        return np.full(shape, red == "LAND", dtype)
+    if red in ("PROD", "LAND"):
+        return np.ones(shape, dtype)
+    if red == "BAND":
+        return np.full(shape, -1).astype(dtype) if dtype.kind == "i" else np.full(shape, np.iinfo(dtype).max, dtype)
+    if red == "MAX":
+        return np.full(shape, -np.inf if dtype.kind == "f" or dtype == BF16 else np.iinfo(dtype).min, dtype)
+    if red == "MIN":
+        return np.full(shape, np.inf if dtype.kind == "f" or dtype == BF16 else np.iinfo(dtype).max, dtype)
+    return np.zeros(shape, dtype)
+
+
+def data(shape, dtype, rank, salt=0):
+    """Small integer-valued data, different on each rank (exact in every dtype)."""
+    rng = np.random.default_rng(7919 * rank + 104729 * salt + 17)
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, shape).astype(bool)
+    lo = 0 if dtype.kind == "u" else -3
+    if dtype.kind == "c":
+        return (rng.integers(lo, 4, shape) + 1j * rng.integers(lo, 4, shape)).astype(dtype)
+    return rng.integers(lo, 4, shape).astype(dtype)
+
+
+def assert_equal(got, expected):
+    got = np.asarray(got)
+    expected = np.asarray(expected)
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    assert got.dtype == expected.dtype, (got.dtype, expected.dtype)
+    if expected.dtype == BF16 or expected.dtype.kind == "f":
+        np.testing.assert_array_equal(got.astype(np.float64), expected.astype(np.float64))
+    else:
+        np.testing.assert_array_equal(got, expected)
+
+
+def as_jax(x):
+    return jnp.asarray(x)

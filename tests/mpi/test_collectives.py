@@ -1,0 +1,151 @@
+"""Every collective against a NumPy reference built from mpi4py-gathered inputs.
+
+Covers op x dtype, op x mode (eager / jit / vmap) x shape x every root, and
+op x communicator kind, at whatever rank count mpiexec started.
+"""
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import vjpmpi
+from helpers import DTYPES, WORLD, assert_equal, data, identity, np_reduce, reductions
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """How to feed one collective and what NumPy says it must return."""
+
+    call: Callable  # (x, comm, kw) -> result
+    ref: Callable  # (xs over ranks, rank, size, kw) -> expected
+    rank_axis_in: Callable = lambda rank, kw: False  # input gets a leading comm-size axis
+    red: bool = False  # takes a reduction op
+    root: bool = False  # takes a root
+
+
+def _root_in(rank, kw):
+    return rank == kw["root"]
+
+
+CASES = {
+    "allreduce": Case(lambda x, c, kw: vjpmpi.allreduce(x, kw["op"], comm=c),
+                      lambda xs, r, n, kw: np_reduce(kw["red"], xs, xs[0].dtype), red=True),
+    "reduce": Case(lambda x, c, kw: vjpmpi.reduce(x, kw["op"], kw["root"], comm=c),
+                   lambda xs, r, n, kw: np_reduce(kw["red"], xs, xs[0].dtype)
+                   if r == kw["root"] else xs[r], red=True, root=True),
+    "bcast": Case(lambda x, c, kw: vjpmpi.bcast(x, kw["root"], comm=c),
+                  lambda xs, r, n, kw: xs[kw["root"]], root=True),
+    "allgather": Case(lambda x, c, kw: vjpmpi.allgather(x, comm=c),
+                      lambda xs, r, n, kw: np.stack(xs)),
+    "gather": Case(lambda x, c, kw: vjpmpi.gather(x, kw["root"], comm=c),
+                   lambda xs, r, n, kw: np.stack(xs) if r == kw["root"] else xs[r], root=True),
+    "scatter": Case(lambda x, c, kw: vjpmpi.scatter(x, kw["root"], comm=c),
+                    lambda xs, r, n, kw: xs[kw["root"]][r], rank_axis_in=_root_in, root=True),
+    "alltoall": Case(lambda x, c, kw: vjpmpi.alltoall(x, comm=c),
+                     lambda xs, r, n, kw: np.stack([xs[i][r] for i in range(n)]),
+                     rank_axis_in=lambda rank, kw: True),
+    "reduce_scatter": Case(lambda x, c, kw: vjpmpi.reduce_scatter(x, kw["op"], comm=c),
+                           lambda xs, r, n, kw: np_reduce(kw["red"], xs, xs[0].dtype)[r],
+                           rank_axis_in=lambda rank, kw: True, red=True),
+    "scan": Case(lambda x, c, kw: vjpmpi.scan(x, kw["op"], comm=c),
+                 lambda xs, r, n, kw: np_reduce(kw["red"], xs[: r + 1], xs[0].dtype), red=True),
+    "exscan": Case(lambda x, c, kw: vjpmpi.exscan(x, kw["op"], comm=c),
+                   lambda xs, r, n, kw: identity(kw["red"], xs[0].shape, xs[0].dtype) if r == 0
+                   else np_reduce(kw["red"], xs[:r], xs[0].dtype), red=True),
+    "sendrecv": Case(lambda x, c, kw: vjpmpi.sendrecv(
+                         x, x, (kw["rank"] - 1) % kw["size"], (kw["rank"] + 1) % kw["size"], comm=c),
+                     lambda xs, r, n, kw: xs[(r - 1) % n]),
+}
+
+
+def _comm_info(comm):
+    c = WORLD if comm is None else comm
+    return c, c.Get_rank(), c.Get_size()
+
+
+def check(name, mode, comm, shape, dtype, red="SUM", root=0, batch=3):
+    """Run collective `name` in `mode` and compare with the NumPy reference."""
+    case = CASES[name]
+    c, rank, size = _comm_info(comm)
+    kw = {"red": red, "op": getattr(MPI, red), "root": root, "rank": rank, "size": size}
+    local_shape = (size, *shape) if case.rank_axis_in(rank, kw) else shape
+    salts = range(batch) if mode == "vmap" else [0]
+    xs_local = [data(local_shape, dtype, rank, salt=s) for s in salts]
+    fn = lambda x: case.call(x, comm, kw)  # noqa: E731
+    if mode == "eager":
+        got = [fn(jnp.asarray(xs_local[0]))]
+    elif mode == "jit":
+        got = [jax.jit(fn)(jnp.asarray(xs_local[0]))]
+    else:
+        stacked = jax.vmap(fn)(jnp.asarray(np.stack(xs_local)))
+        got = [stacked[i] for i in range(batch)]
+    for x_local, g in zip(xs_local, got):
+        gathered = c.allgather(x_local)
+        assert_equal(g, case.ref(gathered, rank, size, kw))
+
+
+SHAPES = {"scalar": (), "1d": (5,), "nd": (2, 3, 2), "empty": (0,), "empty_nd": (3, 0)}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("mode", ["eager", "jit", "vmap"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_modes_shapes_roots(name, mode, shape):
+    roots = range(WORLD.size) if CASES[name].root else [0]
+    for root in roots:
+        check(name, mode, None, SHAPES[shape], np.float32, root=root)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+def test_dtypes(name, dtype):
+    reds = reductions(dtype) if CASES[name].red else ["SUM"]
+    for red in reds:
+        check(name, "jit", None, (2, 3), dtype, red=red, root=WORLD.size - 1)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_communicators(name, comm):
+    c, rank, size = _comm_info(comm)
+    for root in range(size) if CASES[name].root else [0]:
+        check(name, "jit", comm, (3,), np.float64, root=root)
+
+
+@pytest.mark.parametrize("name", ["allreduce", "reduce", "scan", "exscan", "reduce_scatter"])
+@pytest.mark.parametrize("red", ["MAX", "MIN", "PROD"])
+def test_nonsum_reductions_vmap(name, red):
+    check(name, "vmap", None, (4,), np.float64, red=red)
+
+
+def test_half_precision_rounding():
+    # Values that are not exact in half precision: the reduction rounds like NumPy.
+    rank, size = WORLD.rank, WORLD.size
+    for dtype in (np.float16, np.dtype("bfloat16")):
+        x = (np.linspace(0.1, 2.3, 7) * (rank + 1)).astype(dtype)
+        got = vjpmpi.allreduce(jnp.asarray(x), MPI.SUM, comm=WORLD)
+        expected = np.sum(np.stack(WORLD.allgather(x)).astype(np.float64), axis=0)
+        np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=size * 1e-2)
+
+
+def test_inputs_not_mutated():
+    rank = WORLD.rank
+    for name, case in CASES.items():
+        kw = {"red": "SUM", "op": MPI.SUM, "root": 0, "rank": rank, "size": WORLD.size}
+        shape = (WORLD.size, 3) if case.rank_axis_in(rank, kw) else (3,)
+        x_np = data(shape, np.float32, rank)
+        x = jnp.asarray(x_np)
+        for f in (lambda v: case.call(v, None, kw), jax.jit(lambda v: case.call(v, None, kw))):
+            jax.block_until_ready(f(x))
+            assert_equal(x, x_np)
+
+
+def test_python_scalars_and_weak_types():
+    size = WORLD.size
+    assert float(vjpmpi.allreduce(1.5, MPI.SUM)) == 1.5 * size
+    assert int(vjpmpi.allreduce(2, MPI.MAX)) == 2
+    assert vjpmpi.allgather(3.0).shape == (size,)
