@@ -1,19 +1,24 @@
 """vjpmpi: strictly ordered, differentiable MPI collectives for JAX (XLA FFI kernels)."""
 
-from ._ops import allgather as allgather
-from ._ops import allreduce as allreduce
-from ._ops import alltoall as alltoall
-from ._ops import barrier as barrier
-from ._ops import bcast as bcast
-from ._ops import exscan as exscan
-from ._ops import gather as gather
-from ._ops import recv as recv
-from ._ops import reduce as reduce
-from ._ops import reduce_scatter as reduce_scatter
-from ._ops import scan as scan
-from ._ops import scatter as scatter
-from ._ops import send as send
-from ._ops import sendrecv as sendrecv
-from ._mpi import default_comm as default_comm
+from ._dispatch import OrderingWarning as OrderingWarning
+from ._dispatch import ensure_synchronous_cpu_dispatch as _ensure_sync
+
+_ensure_sync()
+
+from ._ops import allgather as allgather  # noqa: E402
+from ._ops import allreduce as allreduce  # noqa: E402
+from ._ops import alltoall as alltoall  # noqa: E402
+from ._ops import barrier as barrier  # noqa: E402
+from ._ops import bcast as bcast  # noqa: E402
+from ._ops import exscan as exscan  # noqa: E402
+from ._ops import gather as gather  # noqa: E402
+from ._ops import recv as recv  # noqa: E402
+from ._ops import reduce as reduce  # noqa: E402
+from ._ops import reduce_scatter as reduce_scatter  # noqa: E402
+from ._ops import scan as scan  # noqa: E402
+from ._ops import scatter as scatter  # noqa: E402
+from ._ops import send as send  # noqa: E402
+from ._ops import sendrecv as sendrecv  # noqa: E402
+from ._mpi import default_comm as default_comm  # noqa: E402
 
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import weakref
 from typing import Callable, Sequence
 
 import jax
@@ -51,9 +52,56 @@ class Collective:
     rank_axis: Callable[[dict], tuple[bool, bool]] = lambda params: (False, False)
 
 
+# ------------------------------------------------- dead code elimination --
+# Collectives communicate, so one whose result is unused must still run (its
+# peers wait for it).  Our primitives carry no JAX effect (an effect would send
+# every jitted call down JAX's slow dispatch path), so we keep them alive
+# ourselves: a rule that never drops them, and a guard on every higher-order
+# primitive (loops, conditionals, nested jit, remat, custom derivatives) that
+# keeps the whole equation when its body contains a collective.
+_PRIMITIVES: set[core.Primitive] = set()
+_contains_cache: "weakref.WeakKeyDictionary[core.Jaxpr, bool]" = weakref.WeakKeyDictionary()
+
+
 def _keep_eqn(used_outputs, eqn):
-    # Collectives communicate: never drop one because its result is unused.
     return [True] * len(eqn.invars), eqn
+
+
+def contains_collective(jaxpr: core.Jaxpr) -> bool:
+    """Whether `jaxpr` (or any jaxpr nested in it) binds a vjpmpi collective."""
+    hit = _contains_cache.get(jaxpr)
+    if hit is None:
+        hit = any(
+            eqn.primitive in _PRIMITIVES
+            or any(contains_collective(j) for j in core.jaxprs_in_params(eqn.params))
+            for eqn in jaxpr.eqns
+        )
+        _contains_cache[jaxpr] = hit
+    return hit
+
+
+def _guarded(rule):
+    def dce_rule(used_outputs, eqn):
+        if not any(used_outputs) and any(
+            contains_collective(j) for j in core.jaxprs_in_params(eqn.params)
+        ):
+            if not used_outputs:  # nothing to keep alive but the equation itself
+                return [True] * len(eqn.invars), eqn
+            used_outputs = [True] * len(used_outputs)
+        return rule(used_outputs, eqn)
+
+    dce_rule.vjpmpi_guard = True
+    return dce_rule
+
+
+def _guard_higher_order_primitives() -> None:
+    from jax._src.lax.control_flow import loops
+
+    extra = {loops.while_p: pe._default_dce_rule}
+    for prim, rule in [*pe.dce_rules.items(), *extra.items()]:
+        if prim in _PRIMITIVES or getattr(rule, "vjpmpi_guard", False):
+            continue
+        pe.dce_rules[prim] = _guarded(rule)
 
 
 # ------------------------------------------------------------- ordering --
@@ -138,6 +186,8 @@ def make_primitive(spec: Collective) -> core.Primitive:
     )
     batching.primitive_batchers[prim] = functools.partial(_batch, prim, spec)
     pe.dce_rules[prim] = _keep_eqn
+    _PRIMITIVES.add(prim)
+    _guard_higher_order_primitives()
     return prim
 
 

@@ -62,7 +62,7 @@ def as_comm(comm: Any, op: str) -> CommRef:
         raise ValueError(
             f"vjpmpi.{op}: argument 'comm' is a null or freed communicator (MPI.COMM_NULL)"
         )
-    if not isinstance(comm, MPI.Intracomm) or comm.Is_inter():
+    if comm.Is_inter():
         raise TypeError(
             f"vjpmpi.{op}: argument 'comm' must be an intracommunicator, got an intercommunicator"
         )

@@ -10,6 +10,8 @@ import jax
 import pytest
 from mpi4py import MPI
 
+import vjpmpi  # noqa: F401  (first: sets synchronous CPU dispatch before any array exists)
+
 jax.config.update("jax_enable_x64", True)
 
 WORLD = MPI.COMM_WORLD

@@ -1,0 +1,256 @@
+"""Point-to-point ops and the ordering guarantee under every control-flow construct.
+
+The "hot potato" rings below deadlock if any rank executes its sends and
+receives out of program order (rank 0 sends first, every other rank receives
+first), so passing them within mpiexec's timeout is the ordering check.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import vjpmpi
+from vjpmpi import _kernels
+
+from helpers import WORLD
+
+rank, size = WORLD.rank, WORLD.size
+needs2 = pytest.mark.skipif(size < 2, reason="needs at least 2 ranks")
+
+
+def _overlaps():
+    return _kernels.cpu.call_counts()[1]
+
+
+def hot_potato(x):
+    """Pass x around the ring once, each rank adding its rank; returns what came back."""
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    if rank == 0:
+        vjpmpi.send(x, nxt)
+        return vjpmpi.recv(x, prv)
+    y = vjpmpi.recv(x, prv)
+    vjpmpi.send(y + rank, nxt)
+    return y
+
+
+def ring_total(x0):
+    return x0 + sum(range(size))
+
+
+@needs2
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_hot_potato(mode):
+    f = hot_potato if mode == "eager" else jax.jit(hot_potato)
+    x = jnp.arange(3.0)
+    y = f(x)
+    if rank == 0:
+        np.testing.assert_array_equal(y, ring_total(np.arange(3.0)))
+
+
+@needs2
+@pytest.mark.parametrize("loop", ["fori_loop", "scan", "while_loop"])
+def test_hot_potato_in_loops(loop):
+    def step(x):
+        return hot_potato(x) if rank == 0 else (hot_potato(x), x)[1]
+
+    n = 5
+
+    @jax.jit
+    def f(x):
+        if loop == "fori_loop":
+            return jax.lax.fori_loop(0, n, lambda i, v: step(v), x)
+        if loop == "scan":
+            return jax.lax.scan(lambda v, _: (step(v), None), x, None, length=n)[0]
+        return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, step(c[1])), (0, x))[1]
+
+    y = f(jnp.zeros(2))
+    if rank == 0:
+        np.testing.assert_array_equal(y, np.full(2, n * sum(range(size)), float))
+
+
+@needs2
+def test_hot_potato_in_cond():
+    @jax.jit
+    def f(x, p):
+        return jax.lax.cond(p > 0, hot_potato, lambda v: hot_potato(v) * 0, x)
+
+    y = f(jnp.ones(2), 1)
+    if rank == 0:
+        np.testing.assert_array_equal(y, ring_total(np.ones(2)))
+
+
+@needs2
+def test_reversed_pairs_need_program_order():
+    # Two independent messages with different tags, received in the opposite order
+    # to how they were sent would deadlock with synchronous semantics for large sizes.
+    big = jnp.arange(200_000.0)
+
+    @jax.jit
+    def f(a, b):
+        if rank == 0:
+            vjpmpi.send(a, 1, tag=1)
+            vjpmpi.send(b, 1, tag=2)
+            return a, b
+        if rank == 1:
+            ra = vjpmpi.recv(a, 0, tag=1)
+            rb = vjpmpi.recv(b, 0, tag=2)
+            return ra, rb
+        return a, b
+
+    ra, rb = f(big, big * 2)
+    if rank == 1:
+        np.testing.assert_array_equal(ra, np.arange(200_000.0))
+        np.testing.assert_array_equal(rb, 2 * np.arange(200_000.0))
+
+
+def test_independent_collectives_keep_program_order():
+    # Independent collectives on different data in one program, mixed with compute:
+    # every rank must issue them in source order or the payloads would swap.
+    before = _overlaps()
+
+    @jax.jit
+    def f(a, b, c):
+        ra = vjpmpi.allreduce(a, MPI.SUM)
+        rb = vjpmpi.bcast(b, size - 1)
+        rc = vjpmpi.allgather(jnp.sin(c))
+        rd = vjpmpi.allreduce(jnp.cos(c).sum(), MPI.MAX)
+        return ra, rb, rc, rd
+
+    a = jnp.full(1000, rank + 1.0)
+    b = jnp.full(7, rank * 1.0)
+    c = jnp.arange(5.0) + rank
+    for _ in range(20):
+        ra, rb, rc, rd = f(a, b, c)
+    np.testing.assert_array_equal(ra, np.full(1000, size * (size + 1) / 2))
+    np.testing.assert_array_equal(rb, np.full(7, size - 1.0))
+    np.testing.assert_allclose(rc, np.sin(np.arange(5.0)[None] + np.arange(size)[:, None]),
+                               rtol=1e-6)
+    assert _overlaps() == before
+
+
+def test_separately_jitted_programs_in_call_order():
+    before = _overlaps()
+    f = jax.jit(lambda x: vjpmpi.allreduce(x, MPI.SUM))
+    g = jax.jit(lambda x: vjpmpi.bcast(x * 2, 0))
+    h = jax.jit(lambda x: vjpmpi.scan(x, MPI.SUM))
+    big = jnp.ones(500_000) * (rank + 1)
+    small = jnp.ones(3) * (rank + 1)
+    outs = [(f(big), g(small), h(small)) for _ in range(10)]
+    for a, b, c in outs:
+        assert float(a[0]) == size * (size + 1) / 2
+        assert float(b[0]) == 2.0
+        assert float(c[0]) == (rank + 1) * (rank + 2) / 2
+    assert _overlaps() == before
+
+
+def test_eager_calls_in_call_order():
+    before = _overlaps()
+    big = jnp.ones(500_000) * (rank + 1)
+    small = jnp.ones(3) * (rank + 1)
+    res = [(vjpmpi.allreduce(big, MPI.SUM), vjpmpi.allgather(small), vjpmpi.exscan(small, MPI.SUM))
+           for _ in range(10)]
+    for a, b, c in res:
+        assert float(a[-1]) == size * (size + 1) / 2
+        np.testing.assert_array_equal(b[:, 0], np.arange(1, size + 1))
+        assert float(c[0]) == rank * (rank + 1) / 2
+    assert _overlaps() == before
+
+
+@needs2
+def test_recv_status_any_source_and_tag():
+    status = MPI.Status()
+    if rank == 0:
+        got = {}
+        for _ in range(size - 1):
+            y = vjpmpi.recv(jnp.zeros(2), status=status)
+            got[status.Get_source()] = (np.asarray(y), status.Get_tag())
+        for src in range(1, size):
+            np.testing.assert_array_equal(got[src][0], np.full(2, float(src)))
+            assert got[src][1] == 10 + src
+    else:
+        vjpmpi.send(jnp.full(2, float(rank)), 0, tag=10 + rank)
+
+
+@needs2
+def test_sendrecv_status_and_tags():
+    status = MPI.Status()
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    y = jax.jit(lambda x: vjpmpi.sendrecv(x, x, prv, nxt, sendtag=rank, recvtag=prv,
+                                          status=status))(jnp.full(3, rank))
+    np.testing.assert_array_equal(y, np.full(3, prv))
+    assert status.Get_source() == prv and status.Get_tag() == prv
+
+
+def test_proc_null_peers():
+    # A non-periodic shift: the ends talk to MPI.PROC_NULL and keep the template.
+    nxt = rank + 1 if rank + 1 < size else MPI.PROC_NULL
+    prv = rank - 1 if rank > 0 else MPI.PROC_NULL
+    tmpl = jnp.full(2, -1.0)
+    y = jax.jit(lambda x, t: vjpmpi.sendrecv(x, t, prv, nxt))(jnp.full(2, float(rank)), tmpl)
+    np.testing.assert_array_equal(y, np.full(2, float(rank - 1) if rank > 0 else -1.0))
+
+
+def test_sendrecv_different_shapes():
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    y = vjpmpi.sendrecv(jnp.full((2, 3), float(rank)), jnp.zeros((2, 3)), prv, nxt)
+    np.testing.assert_array_equal(y, np.full((2, 3), float(prv)))
+    # a recvbuf of another shape but the same number of elements
+    y = vjpmpi.sendrecv(jnp.full((6,), float(rank)), jnp.zeros((3, 2)), prv, nxt)
+    assert y.shape == (3, 2)
+
+
+def test_vmap_send_recv_pair():
+    if size < 2:
+        pytest.skip("needs 2 ranks")
+    xs = jnp.arange(12.0).reshape(4, 3)
+    if rank == 0:
+        jax.vmap(lambda v: vjpmpi.send(v, 1))(xs)
+    elif rank == 1:
+        y = jax.vmap(lambda v: vjpmpi.recv(v, 0))(jnp.zeros_like(xs))
+        np.testing.assert_array_equal(y, np.arange(12.0).reshape(4, 3))
+
+
+def test_vmap_is_one_call():
+    calls0 = _kernels.cpu.call_counts()[0]
+    jax.vmap(lambda v: vjpmpi.allreduce(v, MPI.SUM))(jnp.ones((64, 4))).block_until_ready()
+    assert _kernels.cpu.call_counts()[0] == calls0 + 1
+    jaxpr = jax.make_jaxpr(jax.vmap(lambda v: vjpmpi.allgather(v)))(jnp.ones((64, 4)))
+    assert str(jaxpr).count("vjpmpi_allgather") == 1
+
+
+def test_barrier():
+    for _ in range(3):
+        vjpmpi.barrier()
+    jax.jit(lambda x: (vjpmpi.barrier(), x + 1)[1])(1.0).block_until_ready()
+
+
+@needs2
+def test_mpi_runtime_error_is_an_exception():
+    # rank 1 sends 10 elements, rank 0 expects 5: MPI_ERR_TRUNCATE, reported not aborted.
+    if rank == 1:
+        vjpmpi.send(jnp.ones(10), 0, tag=77)
+    elif rank == 0:
+        with pytest.raises(Exception, match=r"vjpmpi\.recv.*MPI_Recv"):
+            vjpmpi.recv(jnp.zeros(5), 1, tag=77).block_until_ready()
+    vjpmpi.barrier()
+
+
+def test_no_recompilation_with_fresh_objects():
+    import resource
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None
+    )
+    x = jnp.ones(4)
+    vjpmpi.allreduce(x, MPI.SUM, comm=MPI.Comm(WORLD)).block_until_ready()  # warm up
+    n0 = len(compiles)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(1000):
+        y = vjpmpi.allreduce(x, MPI.Op(MPI.SUM), comm=MPI.Comm(WORLD))
+    y.block_until_ready()
+    assert len(compiles) == n0
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert rss1 - rss0 < 20 * 1024  # KiB: no per-call growth (mpi4jax: +1.45 MiB per call)
