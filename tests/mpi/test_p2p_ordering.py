@@ -254,3 +254,31 @@ def test_no_recompilation_with_fresh_objects():
     assert len(compiles) == n0
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert rss1 - rss0 < 20 * 1024  # KiB: no per-call growth (mpi4jax: +1.45 MiB per call)
+
+
+def test_nested_jit_and_regions_never_overlap():
+    # Collectives in nested jitted functions, loop bodies and branches sit in other
+    # XLA computations than the outer chain; XLA:CPU must still run them one at a time.
+    before = _overlaps()
+    inner = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
+
+    @jax.jit
+    def f(x, y, z):
+        a = vjpmpi.allreduce(x, MPI.SUM)
+        b = inner(y)
+        c = jax.lax.fori_loop(0, 3, lambda i, v: vjpmpi.allreduce(v, MPI.MAX), z)
+        d = jax.lax.cond(x[0] > 0, lambda v: vjpmpi.bcast(v, 0), lambda v: v, y)
+        e = vjpmpi.allgather(z[:4])
+        return a, b, c, d, e
+
+    x = jnp.full(300_000, rank + 1.0)
+    y = jnp.full(300_000, rank * 2.0)
+    z = jnp.arange(8.0) * (rank + 1)
+    for _ in range(10):
+        a, b, c, d, e = f(x, y, z)
+    np.testing.assert_array_equal(a[:3], np.full(3, size * (size + 1) / 2))
+    np.testing.assert_array_equal(b[:3], np.full(3, size * (size - 1.0)))
+    np.testing.assert_array_equal(c, np.arange(8.0) * size)
+    np.testing.assert_array_equal(d[:3], np.zeros(3))
+    np.testing.assert_array_equal(e, np.arange(4.0)[None] * (np.arange(size)[:, None] + 1))
+    assert _overlaps() == before

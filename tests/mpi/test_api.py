@@ -1,0 +1,193 @@
+"""Trace-time validation, the HLO token chain, and the primitive machinery."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import vjpmpi
+from vjpmpi import _collective, _ops
+
+from helpers import WORLD
+
+size, rank = WORLD.size, WORLD.rank
+
+
+# ------------------------------------------------------------------ errors --
+def test_public_api_is_complete():
+    for name in ["allreduce", "reduce", "bcast", "allgather", "gather", "scatter", "alltoall",
+                 "reduce_scatter", "scan", "exscan", "send", "recv", "sendrecv", "barrier"]:
+        assert callable(getattr(vjpmpi, name)), name
+        assert getattr(vjpmpi, name).__doc__ and "Transpose" in getattr(vjpmpi, name).__doc__
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_errors_name_op_and_argument(jit):
+    wrap = jax.jit if jit else (lambda f: f)
+    x = jnp.ones(3, jnp.float32)
+    cases = [
+        (lambda: vjpmpi.bcast(x, size), ValueError, r"vjpmpi\.bcast: argument 'root'=\d+ is outside"),
+        (lambda: vjpmpi.reduce(x, MPI.SUM, -1), ValueError, r"vjpmpi\.reduce: argument 'root'"),
+        (lambda: vjpmpi.gather(x, 1.5), TypeError, r"vjpmpi\.gather: argument 'root' must be a Python int"),
+        (lambda: vjpmpi.send(x, size + 3), ValueError, r"vjpmpi\.send: argument 'dest'"),
+        (lambda: vjpmpi.recv(x, size + 3), ValueError, r"vjpmpi\.recv: argument 'source'"),
+        (lambda: vjpmpi.send(x, 0, tag=-5), ValueError, r"vjpmpi\.send: argument 'tag'"),
+        (lambda: vjpmpi.sendrecv(x, x, 0, size), ValueError, r"vjpmpi\.sendrecv: argument 'dest'"),
+        (lambda: vjpmpi.sendrecv(x, jnp.ones(3, jnp.int32), 0, 0), TypeError,
+         r"vjpmpi\.sendrecv: arguments 'sendbuf' .* must have the same dtype"),
+        (lambda: vjpmpi.alltoall(jnp.ones((size + 1, 2))), ValueError,
+         r"vjpmpi\.alltoall: argument 'x' must have a leading axis of length comm size"),
+        (lambda: vjpmpi.reduce_scatter(jnp.ones(()), MPI.SUM), ValueError,
+         r"vjpmpi\.reduce_scatter: argument 'x' must have a leading axis"),
+        (lambda: vjpmpi.scatter(jnp.ones((size + 2, 2)), rank), ValueError,
+         r"vjpmpi\.scatter: argument 'x' must have a leading axis"),
+        (lambda: vjpmpi.allreduce(x, MPI.BAND), TypeError,
+         r"vjpmpi\.allreduce: reduction MPI\.BAND is not defined for dtype float32"),
+        (lambda: vjpmpi.scan(jnp.ones(2, jnp.complex64), MPI.MAX), TypeError,
+         r"vjpmpi\.scan: reduction MPI\.MAX is not defined for dtype complex64"),
+        (lambda: vjpmpi.allreduce(jnp.ones(2, bool), MPI.SUM), TypeError,
+         r"vjpmpi\.allreduce: reduction MPI\.SUM is not defined for dtype bool"),
+        (lambda: vjpmpi.allreduce(x, MPI.MAXLOC), ValueError, r"vjpmpi\.allreduce: argument 'op'"),
+        (lambda: vjpmpi.allreduce(x, "mean"), ValueError, r"vjpmpi\.allreduce: argument 'op'"),
+        (lambda: vjpmpi.allreduce(x, MPI.SUM, comm=MPI.COMM_NULL), ValueError,
+         r"vjpmpi\.allreduce: argument 'comm' is a null or freed communicator"),
+        (lambda: vjpmpi.allreduce(x, MPI.SUM, comm="world"), TypeError,
+         r"vjpmpi\.allreduce: argument 'comm' must be an mpi4py"),
+        (lambda: vjpmpi.allgather(jnp.ones(2, jnp.float8_e4m3fn)), TypeError,
+         r"vjpmpi\.allgather: argument 'x' has unsupported dtype float8_e4m3fn"),
+        (lambda: vjpmpi.recv(x, status="s"), TypeError, r"vjpmpi\.recv: argument 'status'"),
+    ]
+    for fn, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            wrap(lambda _: fn())(0.0)
+
+
+def test_freed_communicator_is_an_error():
+    dup = WORLD.Dup()
+    dup.Free()
+    with pytest.raises(ValueError, match="null or freed communicator"):
+        vjpmpi.allreduce(jnp.ones(2), MPI.SUM, comm=dup)
+
+
+def test_op_names_as_strings():
+    np.testing.assert_array_equal(vjpmpi.allreduce(jnp.ones(2), "sum"), np.full(2, size))
+    np.testing.assert_array_equal(vjpmpi.allreduce(jnp.arange(2), "max"), np.arange(2))
+
+
+def test_default_comm_is_private_duplicate():
+    c = vjpmpi.default_comm()
+    assert c.handle != WORLD.handle
+    assert MPI.Comm.Compare(c, WORLD) == MPI.CONGRUENT
+    assert c.Get_errhandler() == MPI.ERRORS_RETURN
+    assert vjpmpi.default_comm() is c
+
+
+# -------------------------------------------------------- token chain (HLO) --
+_CALL = re.compile(
+    r"^\s*(%[\w]+)(?::(\d+))? = stablehlo\.custom_call @vjpmpi_(\w+)\((.*?)\)", re.M
+)
+
+
+def chain(text):
+    """[(op name, token operand, token result)] for each vjpmpi custom call, in text order."""
+    calls = []
+    for name, nres, op, operands in _CALL.findall(text):
+        tok_out = f"{name}#{int(nres) - 1}" if nres else name
+        calls.append((op, operands.split(", ")[-1], tok_out))
+    return calls
+
+
+def assert_chain(text, expected_ops):
+    calls = chain(text)
+    assert [c[0] for c in calls] == expected_ops
+    first_token = calls[0][1]
+    assert re.search(rf"{re.escape(first_token)} = stablehlo\.create_token", text)
+    for prev, cur in zip(calls, calls[1:]):
+        assert cur[1] == prev[2], f"{cur[0]} does not consume the token of {prev[0]}"
+
+
+def test_hlo_token_chain_in_source_order():
+    def f(a, b, c):
+        # data dependencies run the other way round from source order
+        w = vjpmpi.allgather(c)
+        z = vjpmpi.bcast(b, 0)
+        y = vjpmpi.allreduce(a, MPI.SUM)
+        vjpmpi.barrier()
+        s = vjpmpi.scan(a * 2, MPI.SUM)
+        vjpmpi.send(c, MPI.PROC_NULL)
+        r = vjpmpi.recv(c, MPI.PROC_NULL)
+        return y.sum() + z.sum() + w.sum() + s.sum() + r.sum()
+
+    text = jax.jit(f).lower(jnp.ones(3), jnp.ones(4), jnp.ones(5)).as_text()
+    assert_chain(text, ["allgather", "bcast", "allreduce", "barrier", "scan", "send", "recv"])
+
+
+def test_hlo_token_chain_inside_loop_body():
+    def body(carry, _):
+        a = vjpmpi.allreduce(carry, MPI.SUM)
+        b = vjpmpi.exscan(carry, MPI.SUM)
+        return a + b, vjpmpi.allgather(carry[0])
+
+    text = jax.jit(lambda x: jax.lax.scan(body, x, None, length=3)).lower(jnp.ones(2)).as_text()
+    assert_chain(text, ["allreduce", "exscan", "allgather"])
+
+
+def test_independent_unused_collectives_are_kept():
+    def f(x):
+        vjpmpi.allreduce(x, MPI.SUM)  # result unused
+        jax.lax.fori_loop(0, 2, lambda i, v: (vjpmpi.bcast(v, 0), v)[1], x)  # loop result unused
+        jax.lax.cond(x[0] > 0, lambda v: (vjpmpi.allgather(v), None)[1], lambda v: None, x)
+        return x + 1
+
+    text = jax.jit(f).lower(jnp.ones(2)).as_text()
+    # (nested computations print in no particular order)
+    assert sorted(c[0] for c in chain(text)) == ["allgather", "allreduce", "bcast"]
+    np.testing.assert_array_equal(jax.jit(f)(jnp.ones(2)), np.full(2, 2.0))
+
+
+def test_in_place_aliasing_in_hlo():
+    text = jax.jit(lambda x: vjpmpi.allreduce(x, MPI.SUM)).lower(jnp.ones(3)).as_text()
+    assert "output_operand_aliases" in text
+    text = jax.jit(lambda x: vjpmpi.allgather(x)).lower(jnp.ones(3)).as_text()
+    assert "output_operand_aliases" not in text
+
+
+# ---------------------------------------------------------------- machinery --
+def test_every_op_is_one_spec_and_one_primitive():
+    assert set(_ops.SPECS) == set(_ops.PRIMITIVES) == {
+        "allreduce", "reduce", "bcast", "allgather", "gather", "scatter", "alltoall",
+        "reduce_scatter", "scan", "exscan", "send", "recv", "sendrecv", "barrier"}
+    for name, prim in _ops.PRIMITIVES.items():
+        assert prim.name == f"vjpmpi_{name}"
+        assert prim in _collective._PRIMITIVES
+
+
+@pytest.mark.parametrize("name", ["allreduce", "allgather", "scatter", "alltoall", "reduce_scatter"])
+def test_vmap_batches_into_one_primitive(name):
+    fns = {
+        "allreduce": lambda v: vjpmpi.allreduce(v, MPI.SUM),
+        "allgather": lambda v: vjpmpi.allgather(v),
+        "scatter": lambda v: vjpmpi.scatter(v, rank),
+        "alltoall": lambda v: vjpmpi.alltoall(v),
+        "reduce_scatter": lambda v: vjpmpi.reduce_scatter(v, MPI.SUM),
+    }
+    shape = (7, size, 3) if name in ("scatter", "alltoall", "reduce_scatter") else (7, 3)
+    jaxpr = jax.make_jaxpr(jax.vmap(fns[name]))(jnp.ones(shape))
+    assert str(jaxpr).count(f"vjpmpi_{name}[") == 1
+
+
+def test_nested_vmap():
+    x = jnp.arange(24.0).reshape(2, 3, 4) + rank
+    got = jax.vmap(jax.vmap(lambda v: vjpmpi.allgather(v)))(x)
+    assert got.shape == (2, 3, size, 4)
+    expected = np.stack([np.arange(24.0).reshape(2, 3, 4) + r for r in range(size)], axis=2)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_vmap_in_axes_not_zero():
+    x = jnp.arange(12.0).reshape(3, 4) + rank
+    got = jax.vmap(lambda v: vjpmpi.allreduce(v, MPI.SUM), in_axes=1, out_axes=1)(x)
+    np.testing.assert_array_equal(got, sum(np.arange(12.0).reshape(3, 4) + r for r in range(size)))
