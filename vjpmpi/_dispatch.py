@@ -32,7 +32,7 @@ def ensure_synchronous_cpu_dispatch() -> bool:
     if not xla_bridge.backends_are_initialized():
         jax.config.update("jax_cpu_enable_async_dispatch", False)
         return True
-    if jax.config.jax_cpu_enable_async_dispatch:
+    if jax.config.read("jax_cpu_enable_async_dispatch"):
         warnings.warn(_LATE, OrderingWarning, stacklevel=3)
         return False
     return True
