@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# Subprocesses start in tests/, never in the repository root, so that `import vjpmpi`
+# finds the installed package (with its compiled kernels), not the source folder.
+TESTS = ROOT / "tests"
 
 # Rank processes share 2 cores: keep each one single-threaded.
 RANK_ENV = {
@@ -47,7 +50,7 @@ def mpirun(nprocs: int, argv: list[str], timeout: float, env: dict | None = None
     full_env = {**os.environ, **RANK_ENV, **(env or {})}
     cmd = [mpiexec(), "-n", str(nprocs), sys.executable, *argv]
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cmd, cwd=TESTS, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True, text=True,
     )
     try:

@@ -3,14 +3,14 @@
 import subprocess
 import sys
 
-from _mpirun import RANK_ENV, ROOT
+from _mpirun import RANK_ENV, TESTS
 
 
 def python(code: str) -> subprocess.CompletedProcess:
     import os
 
     return subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **RANK_ENV},
+        [sys.executable, "-c", code], cwd=TESTS, env={**os.environ, **RANK_ENV},
         capture_output=True, text=True, timeout=300,
     )
 

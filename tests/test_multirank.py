@@ -13,7 +13,7 @@ TIMEOUT = 900  # seconds per rank count; a deadlock fails the run instead of han
 def test_suite(nprocs):
     run = mpirun(
         nprocs,
-        ["-m", "pytest", "tests/mpi", "-q", "-p", "no:cacheprovider", "-x"],
+        ["-m", "pytest", "mpi", "-q", "-p", "no:cacheprovider", "-x"],
         timeout=TIMEOUT,
     )
     assert not run.timed_out and run.returncode == 0, (

@@ -93,7 +93,9 @@ def _int(value: Any, op: str, arg: str) -> int:
         ) from None
 
 
-def _rank(value: Any, comm, op: str, arg: str, special: dict[int, str] = {}) -> int:  # noqa: B006
+def _rank(value: Any, comm, op: str, arg: str, special: dict[int, str] | None = None) -> int:
+    """A rank of `comm` (or one of the `special` MPI constants) for argument `arg`."""
+    special = special or {}
     r = _int(value, op, arg)
     if r in special or 0 <= r < comm.size:
         return r
