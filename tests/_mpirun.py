@@ -22,6 +22,7 @@ RANK_ENV = {
     "OMP_NUM_THREADS": "1",
     "OPENBLAS_NUM_THREADS": "1",
     "PYTHONUNBUFFERED": "1",
+    "VJPMPI_TRACE": "1",  # the trace test compares every rank's sequence of collectives
 }
 
 

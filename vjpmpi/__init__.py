@@ -19,6 +19,10 @@ from ._ops import scan as scan  # noqa: E402
 from ._ops import scatter as scatter  # noqa: E402
 from ._ops import send as send  # noqa: E402
 from ._ops import sendrecv as sendrecv  # noqa: E402
+from ._ops import sum_replicated as sum_replicated  # noqa: E402
+from ._ops import use_replicated as use_replicated  # noqa: E402
+from ._composite import ordered_collective as ordered_collective  # noqa: E402
+from ._kernels import take_trace as take_trace  # noqa: E402
 from ._mpi import default_comm as default_comm  # noqa: E402
 
 __version__ = "0.1.0"

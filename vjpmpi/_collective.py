@@ -19,8 +19,8 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core, dispatch
-from jax._src.interpreters import batching, mlir
+from jax._src import core, dispatch, effects, source_info_util
+from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
@@ -44,12 +44,25 @@ class Collective:
     - `rank_axis`: `params -> (input_has_rank_axis, output_has_rank_axis)`: whether
       the leading axis of operand 0 / result 0 enumerates the communicator's ranks
       (used to place the batch axis behind it).
+    - `target`: the FFI handler it runs (default: `name`); None lowers to the identity.
+    - `linear`: `params -> bool`, whether the op is linear in its array operands for
+      these parameters (then its JVP is the op applied to the tangents).
+    - `transpose`: `(cts, args, params) -> cotangents of args`, the adjoint of the global
+      linear map; `args` holds `UndefinedPrimal`s for the linear operands.
+    - `nonlinear_jvp`: `(primals, tangents, params) -> tangents out` when not linear.
     """
 
     name: str
     out_avals: Callable[..., list[core.ShapedArray]]
     alias: tuple[int, int] | None = None
     rank_axis: Callable[[dict], tuple[bool, bool]] = lambda params: (False, False)
+    target: str | None = dataclasses.field(default="", compare=False)
+    linear: Callable[[dict], bool] = lambda params: True
+    transpose: Callable | None = None
+    nonlinear_jvp: Callable | None = None
+
+    def ffi_target(self) -> str | None:
+        return self.name if self.target == "" else self.target
 
 
 # ------------------------------------------------- dead code elimination --
@@ -94,6 +107,31 @@ def _guarded(rule):
     return dce_rule
 
 
+def _communicates(eqn) -> bool:
+    return eqn.primitive in _PRIMITIVES or any(
+        contains_collective(j) for j in core.jaxprs_in_params(eqn.params)
+    )
+
+
+def _keep_traced_eqns() -> None:
+    """Jaxpr tracing with auto-DCE (JAX's linearize / vjp tangent traces) holds
+    effect-free equations weakly and forgets those whose outputs die; hold the
+    ones that communicate strongly, as JAX does for effectful equations."""
+    frame = pe.JaxprStackFrame
+    if getattr(frame.add_eqn, "vjpmpi_guard", False):
+        return
+    original = frame.add_eqn
+
+    def add_eqn(self, eqn):
+        if self.auto_dce and not eqn.effects and _communicates(eqn):
+            self.tracing_eqns.append(eqn)
+        else:
+            original(self, eqn)
+
+    add_eqn.vjpmpi_guard = True
+    frame.add_eqn = add_eqn
+
+
 def _guard_higher_order_primitives() -> None:
     from jax._src.lax.control_flow import loops
 
@@ -127,7 +165,9 @@ def _int64(v: int) -> np.int64:
 
 
 def _lower(ctx, *args, spec: Collective, **params):
-    """Lower to `vjpmpi_<name>` taking the block's last token and returning the next."""
+    """Lower to `vjpmpi_<target>` taking the block's last token and returning the next."""
+    if spec.ffi_target() is None:
+        return list(args)
     tokens = _block_tokens(ctx)
     block = ir.InsertionPoint.current.block
     token = tokens.get(block)
@@ -140,7 +180,7 @@ def _lower(ctx, *args, spec: Collective, **params):
         if a.shape == b.shape and a.dtype == b.dtype:
             aliases = {i: j}
     rule = jax.ffi.ffi_lowering(
-        f"vjpmpi_{spec.name}", has_side_effect=True, operand_output_aliases=aliases
+        f"vjpmpi_{spec.ffi_target()}", has_side_effect=True, operand_output_aliases=aliases
     )
     sub = ctx.replace(
         avals_in=[*ctx.avals_in, core.abstract_token],
@@ -173,22 +213,105 @@ def _batch(prim, spec: Collective, args, dims, **params):
     return outs, [b + int(out_ax) - int(in_ax)] * len(outs)
 
 
+def _partial_eval(prim, trace, *tracers, **params):
+    """JaxprTrace rule: like the default, but the staged equation is always kept.
+
+    The old-style partial evaluator (`jax.linear_transpose`, `jax.linearize`) builds
+    its jaxpr from what the outputs reach; a collective with no used output (a send,
+    or a rank that ignores a result) would vanish on that rank only.
+    """
+    known = [t.pval.get_known() for t in tracers]
+    if all(k is not None for k in known):
+        return prim.bind_with_trace(trace.parent_trace, known, tuple(t.aval for t in tracers),
+                                    params)
+    tracers = [trace.instantiate_const(t) for t in tracers]
+    out_avals, effs = prim.abstract_eval(*[t.aval for t in tracers], **params)
+    outs = [pe.JaxprTracer(trace, pe.PartialVal.unknown(a), None) for a in out_avals]
+    source = source_info_util.current().replace(name_stack=trace._current_truncated_name_stack())
+    eqn = pe.new_eqn_recipe(trace, tracers, outs, prim, params, effs, source)
+    trace.effect_handles.append(pe.EffectHandle(tracers, eqn))
+    for t in outs:
+        t.recipe = eqn
+    return outs
+
+
+# ------------------------------------------------------- differentiation --
+def _is_float(aval) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _jvp(prim, lin, spec: Collective, primals, tangents, **params):
+    outs = prim.bind(*primals, **params)
+    avals = [core.typeof(o) for o in outs]
+    if not any(_is_float(core.typeof(a)) for a in [*primals, *outs]):
+        # integer / bool data: float0 tangents, nothing to communicate
+        return outs, [ad.Zero(a.to_tangent_aval()) for a in avals]
+    if spec.linear(params):
+        # Zero tangents become real zeros: the tangent collective must run on every
+        # rank, whether or not this rank's input depends on what is differentiated.
+        ts = [ad.instantiate_zeros(t) for t in tangents]
+        t_outs = lin.bind(*ts, **params)
+    else:
+        t_outs = spec.nonlinear_jvp(primals, tangents, params)
+    return outs, t_outs
+
+
+def _transpose(spec: Collective, cts, *args, **params):
+    # A zero cotangent still takes part: every rank runs every transposed collective.
+    cts = [ad.instantiate_zeros(ct) for ct in cts]
+    return spec.transpose(cts, args, params)
+
+
 # --------------------------------------------------------------- derive --
-def make_primitive(spec: Collective) -> core.Primitive:
-    """Build the JAX primitive of a collective from its spec."""
+class Linearized(effects.Effect):
+    """Carried by the tangent (linearized) form of a collective.
+
+    JAX skips the backward pass of a linear program whose output cotangents are all
+    zero, and forgets effect-free equations nothing depends on; a rank whose loss
+    does not depend on a collective would then skip its transpose while its peers
+    wait. The effect keeps every linearized collective, and its transpose, on every
+    rank. It never appears in forward programs or in `jit(grad(f))`, whose backward
+    is built from the effect-free forward primitives.
+    """
+
+    def __repr__(self):
+        return "vjpmpi.Linearized"
+
+
+LINEARIZED = Linearized()
+for _kind in (effects.lowerable_effects, effects.control_flow_allowed_effects,
+              effects.custom_derivatives_allowed_effects, effects.remat_allowed_effects,
+              effects.partial_eval_kept_effects):
+    _kind.add_type(Linearized)
+
+
+def make_primitive(spec: Collective) -> tuple[core.Primitive, core.Primitive]:
+    """Build a collective's primitive and its linearized (tangent) twin from its spec."""
     prim = core.Primitive(f"vjpmpi_{spec.name}")
-    prim.multiple_results = True
-    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
-    prim.def_abstract_eval(lambda *avals, **params: spec.out_avals(params, *avals))
-    # Not cacheable: each call site must join the token chain of its own block.
-    mlir.register_lowering(
-        prim, functools.partial(_lower, spec=spec), platform="cpu", cacheable=False
-    )
-    batching.primitive_batchers[prim] = functools.partial(_batch, prim, spec)
-    pe.dce_rules[prim] = _keep_eqn
-    _PRIMITIVES.add(prim)
+    lin = core.Primitive(f"vjpmpi_{spec.name}_lin")
+
+    def abstract_eval(*avals, **params):
+        return spec.out_avals(params, *avals)
+
+    prim.def_abstract_eval(abstract_eval)
+    lin.def_effectful_abstract_eval(lambda *a, **p: (abstract_eval(*a, **p), {LINEARIZED}))
+    for p in (prim, lin):
+        p.multiple_results = True
+        p.def_impl(functools.partial(dispatch.apply_primitive, p))
+        # Not cacheable: each call site must join the token chain of its own block.
+        mlir.register_lowering(
+            p, functools.partial(_lower, spec=spec), platform="cpu", cacheable=False
+        )
+        batching.primitive_batchers[p] = functools.partial(_batch, p, spec)
+        ad.primitive_jvps[p] = functools.partial(_jvp, p, lin, spec)
+        if spec.transpose is not None:
+            ad.primitive_transposes[p] = functools.partial(_transpose, spec)
+        pe.dce_rules[p] = _keep_eqn
+        pe.custom_partial_eval_rules[p] = functools.partial(_partial_eval, p)
+        _PRIMITIVES.add(p)
     _guard_higher_order_primitives()
-    return prim
+    _keep_traced_eqns()
+    return prim, lin
 
 
 def bind(prim: core.Primitive, args: Sequence, comm: CommRef, **params) -> list:

@@ -36,3 +36,14 @@ for _name, _capsule in cpu.registrations().items():
     jax.ffi.register_ffi_target(f"vjpmpi_{_name}", _capsule, platform="cpu")
 
 STATUS_SIZE = cpu.status_size
+
+
+def take_trace() -> list[str]:
+    """The collectives this process has run since the last call, in order.
+
+    Recording is opt-in: set `VJPMPI_TRACE=1` in the environment before importing
+    vjpmpi. Compare the lists of all ranks to see where their sequences diverge.
+    """
+    if not cpu.trace_enabled():
+        raise RuntimeError("vjpmpi.take_trace: set VJPMPI_TRACE=1 before importing vjpmpi")
+    return cpu.take_trace()

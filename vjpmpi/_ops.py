@@ -12,14 +12,16 @@ from typing import Any
 
 import jax.numpy as jnp
 from jax._src import core
+from jax._src.interpreters import ad
 from mpi4py import MPI
 
-from ._collective import Collective, bind, make_primitive
-from ._mpi import as_comm, as_red, check_dtype, check_red_dtype
+from ._collective import PARAMS, Collective, bind, make_primitive
+from ._mpi import MAX, MIN, PROD, RED_NAMES, SUM, as_comm, as_red, check_dtype, check_red_dtype
 
 __all__ = [
     "allreduce", "reduce", "bcast", "allgather", "gather", "scatter", "alltoall",
     "reduce_scatter", "scan", "exscan", "send", "recv", "sendrecv", "barrier",
+    "sum_replicated", "use_replicated",
 ]
 
 
@@ -44,34 +46,189 @@ def _scatter_out(params, x):
     return [_with_shape(x, x.shape[1:])] if _is_root(params) else [x]
 
 
+# ------------------------------------------------------- the transposes --
+# Each is the adjoint of the global linear map the forward computes, with the
+# inner product summed over ranks (the dot-product tests are the judge).
+def _call(name, x, params, *, tangent=False, **changes):
+    """Bind collective `name` on `x` (or a list of operands) with params of the caller;
+    `tangent=True` binds its linearized twin (for tangents inside a JVP rule)."""
+    full = {k: params[k] for k in PARAMS}
+    full.update(changes)
+    prim = (LINEARIZED if tangent else PRIMITIVES)[name]
+    return prim.bind(*(x if isinstance(x, list) else [x]), **full)[0]
+
+
+def _zeros(arg):
+    return jnp.zeros(arg.aval.shape, arg.aval.dtype) if ad.is_undefined_primal(arg) else jnp.zeros_like(arg)
+
+
+def _only_linear(args, cts):
+    """Cotangents for the linear operands, None for the constant ones."""
+    return [ct if ad.is_undefined_primal(a) else None for a, ct in zip(args, cts)]
+
+
+def _t_reduce(cts, args, p):  # y_root = sum_s x_s, y_r = x_r elsewhere
+    (ct,) = cts
+    b = _call("bcast", ct, p)
+    return [b if _is_root(p) else b + ct]
+
+
+def _t_bcast(cts, args, p):  # y_r = x_root everywhere; other ranks' x unused
+    (ct,) = cts
+    total = _call("reduce", ct, p, red=SUM)  # a collective: every rank takes part
+    return [total if _is_root(p) else jnp.zeros_like(ct)]
+
+
+def _t_gather(cts, args, p):  # y_root = stack(x_s), y_r = x_r elsewhere
+    (ct,) = cts
+    block = _call("scatter", ct, p)
+    return [block if _is_root(p) else block + ct]
+
+
+def _t_scatter(cts, args, p):  # y_r = x_root[r]; other ranks' x is a template
+    (ct,) = cts
+    g = _call("gather", ct, p)
+    return [g if _is_root(p) else jnp.zeros(args[0].aval.shape, args[0].aval.dtype)]
+
+
+def _t_scan(cts, args, p):  # suffix sum: sum_{r >= s} = total - sum_{r < s}
+    (ct,) = cts
+    return [_call("allreduce", ct, p, red=SUM) - _call("exscan", ct, p, red=SUM)]
+
+
+def _t_exscan(cts, args, p):  # exclusive suffix sum: sum_{r > s} = total - sum_{r <= s}
+    (ct,) = cts
+    return [_call("allreduce", ct, p, red=SUM) - _call("scan", ct, p, red=SUM)]
+
+
+def _transposed_source(p, op):
+    if p["peer2"] == MPI.ANY_SOURCE:
+        raise ValueError(
+            f"vjpmpi.{op}: differentiating a receive needs an explicit 'source' "
+            "(MPI.ANY_SOURCE names no rank to send the cotangent back to)"
+        )
+    return p["peer2"]
+
+
+def _t_send(cts, args, p):  # the cotangent comes back from dest
+    (x,) = args
+    return [_call("recv", _zeros(x), p, peer2=p["peer"], tag2=MPI.ANY_TAG, status=0)]
+
+
+def _t_recv(cts, args, p):  # send the cotangent back to source; PROC_NULL keeps the template
+    (ct,) = cts
+    source = _transposed_source(p, "recv")
+    tag = 0 if p["tag2"] == MPI.ANY_TAG else p["tag2"]
+    PRIMITIVES["send"].bind(ct, **{**{k: p[k] for k in PARAMS}, "peer": source, "tag": tag})
+    return _only_linear(args, [ct if source == MPI.PROC_NULL else jnp.zeros_like(ct)])
+
+
+def _t_sendrecv(cts, args, p):  # sendrecv with the peers swapped
+    (ct,) = cts
+    source = _transposed_source(p, "sendrecv")
+    tag = 0 if p["tag2"] == MPI.ANY_TAG else p["tag2"]
+    send_ct = _call("sendrecv", [ct, _zeros(args[0])], p, peer=source, peer2=p["peer"],
+                    tag=tag, tag2=MPI.ANY_TAG, status=0)
+    tmpl_ct = ct if source == MPI.PROC_NULL else jnp.zeros_like(ct)
+    return _only_linear(args, [send_ct, tmpl_ct])
+
+
+def _partner(name, **changes):
+    return lambda cts, args, p: [_call(name, cts[0], p, **changes)]
+
+
+# --------------------------------------------- nonlinear reductions (JVP) --
+def _reduction_jvp(name):
+    """JVP of MAX/MIN/PROD reductions from every rank's (value, tangent).
+
+    MAX/MIN: the tangent of the tied extremal ranks, averaged (ties split equally).
+    PROD: sum over ranks of tangent times the product of the *other* ranks' values
+    (exclusive products from both sides, so zeros need no division).
+    """
+
+    def jvp(primals, tangents, p):
+        (x,), (t,) = primals, tangents
+        rank, size = p["comm"].rank, p["comm"].size
+        xs = _call("allgather", x, p)  # forward: every rank's values
+        ts = _call("allgather", ad.instantiate_zeros(t), p, tangent=True)  # -> reduce_scatter
+        if name == "reduce_scatter":
+            xs, ts = xs[:, rank], ts[:, rank]
+        elif name == "scan":
+            xs, ts = xs[: rank + 1], ts[: rank + 1]
+        elif name == "exscan":
+            if rank == 0:  # the identity of the op: constant
+                return [jnp.zeros_like(ts[0])]
+            xs, ts = xs[:rank], ts[:rank]
+        elif name == "reduce" and not _is_root(p):
+            return [ts[rank]]
+        return [_local_reduction_jvp(p["red"], xs, ts)]
+
+    return jvp
+
+
+def _local_reduction_jvp(red, xs, ts):
+    if red in (MAX, MIN):
+        y = xs.max(0) if red == MAX else xs.min(0)
+        hit = xs == y
+        return jnp.where(hit, ts, 0).sum(0) / hit.sum(0).astype(ts.dtype)
+    if red == PROD:
+        ones = jnp.ones_like(xs[:1])
+        before = jnp.cumprod(jnp.concatenate([ones, xs[:-1]]), axis=0)
+        after = jnp.cumprod(jnp.concatenate([ones, xs[:0:-1]]), axis=0)[::-1]
+        return (before * after * ts).sum(0)
+    raise TypeError(
+        f"reduction MPI.{RED_NAMES[red]} is not differentiable (it is logical or bitwise); "
+        "only SUM, PROD, MAX and MIN have derivatives"
+    )
+
+
+def _sum_linear(p):
+    return p["red"] == SUM
+
+
+def _reduction(name, out_avals, **kw):
+    return Collective(name, out_avals, alias=kw.pop("alias", (0, 0)), linear=_sum_linear,
+                      nonlinear_jvp=_reduction_jvp(name), **kw)
+
+
 SPECS = {
     spec.name: spec
     for spec in [
-        Collective("allreduce", _like(0), alias=(0, 0)),
-        Collective("reduce", _like(0), alias=(0, 0)),
-        Collective("bcast", _like(0), alias=(0, 0)),
+        _reduction("allreduce", _like(0), transpose=_partner("allreduce")),
+        _reduction("reduce", _like(0), transpose=_t_reduce),
+        Collective("bcast", _like(0), alias=(0, 0), transpose=_t_bcast),
         Collective(
             "allgather",
             lambda p, x: [_with_shape(x, (p["comm"].size, *x.shape))],
-            rank_axis=lambda p: (False, True),
+            rank_axis=lambda p: (False, True), transpose=_partner("reduce_scatter", red=SUM),
         ),
-        Collective("gather", _gather_out, alias=(0, 0), rank_axis=lambda p: (False, _is_root(p))),
-        Collective("scatter", _scatter_out, alias=(0, 0), rank_axis=lambda p: (_is_root(p), False)),
-        Collective("alltoall", _like(0), alias=(0, 0), rank_axis=lambda p: (True, True)),
-        Collective(
+        Collective("gather", _gather_out, alias=(0, 0), rank_axis=lambda p: (False, _is_root(p)),
+                   transpose=_t_gather),
+        Collective("scatter", _scatter_out, alias=(0, 0), rank_axis=lambda p: (_is_root(p), False),
+                   transpose=_t_scatter),
+        Collective("alltoall", _like(0), alias=(0, 0), rank_axis=lambda p: (True, True),
+                   transpose=_partner("alltoall")),
+        _reduction(
             "reduce_scatter",
             lambda p, x: [_with_shape(x, x.shape[1:])],
-            rank_axis=lambda p: (True, False),
+            alias=None, rank_axis=lambda p: (True, False), transpose=_partner("allgather"),
         ),
-        Collective("scan", _like(0), alias=(0, 0)),
-        Collective("exscan", _like(0), alias=(0, 0)),
-        Collective("send", lambda p, x: []),
-        Collective("recv", _like(0), alias=(0, 0)),
-        Collective("sendrecv", _like(1), alias=(1, 0)),
+        _reduction("scan", _like(0), transpose=_t_scan),
+        _reduction("exscan", _like(0), transpose=_t_exscan),
+        Collective("send", lambda p, x: [], transpose=_t_send),
+        Collective("recv", _like(0), alias=(0, 0), transpose=_t_recv),
+        Collective("sendrecv", _like(1), alias=(1, 0), transpose=_t_sendrecv),
         Collective("barrier", lambda p: []),
+        # The replicated-value pair (JAX's psum / pvary, Megatron's g / f).
+        Collective("sum_replicated", _like(0), alias=(0, 0), target="allreduce",
+                   transpose=_partner("use_replicated")),
+        Collective("use_replicated", _like(0), target=None,
+                   transpose=_partner("sum_replicated", red=SUM)),
     ]
 }
-PRIMITIVES = {name: make_primitive(spec) for name, spec in SPECS.items()}
+PRIMITIVES, LINEARIZED = {}, {}
+for _name, _spec in SPECS.items():
+    PRIMITIVES[_name], LINEARIZED[_name] = make_primitive(_spec)
 
 
 # ------------------------------------------------------------ validation --
@@ -327,3 +484,43 @@ def barrier(*, comm=None):
     Transpose: barrier (it carries no data).
     """
     bind(PRIMITIVES["barrier"], [], as_comm(comm, "barrier"))
+
+
+# ------------------------------------------------ the replicated-value pair --
+def sum_replicated(x, *, comm=None):
+    """Sum `x` over ranks into one value that every rank holds (Megatron's g, JAX's psum).
+
+    Shape: `s` -> `s`. Forward: allreduce(SUM). The result is treated as a single
+    replicated value, so its cotangent is taken as already replicated and the
+    backward pass does no communication.
+    Transpose: `use_replicated` (the identity on each rank).
+
+    Use it when every rank goes on to compute the *same* thing from the sum, e.g. a
+    data-parallel mean loss `sum_replicated(local_loss) / size` differentiated on every
+    rank: with `allreduce` each rank's gradient would also collect the identical
+    cotangents of the other `size - 1` ranks' copies of the loss, `size` times too large.
+    """
+    x = _array(x, "sum_replicated")
+    c = as_comm(comm, "sum_replicated")
+    check_red_dtype(SUM, x.dtype, "sum_replicated")
+    (y,) = bind(PRIMITIVES["sum_replicated"], [x], c, red=SUM)
+    return y
+
+
+def use_replicated(x, *, comm=None):
+    """Mark a replicated value (the same on every rank) that each rank uses differently.
+
+    Shape: `s` -> `s`. Forward: the identity, no communication (Megatron's f, JAX's pvary).
+    Backward: the cotangents of all ranks are summed (allreduce(SUM)), because the one
+    replicated value influenced every rank's result.
+    Transpose: `sum_replicated`.
+
+    Use it on replicated parameters entering rank-local work, e.g. the input of a
+    tensor-parallel layer whose weight columns live on different ranks: without it each
+    rank's gradient for the input holds only its own shard's contribution (a factor of
+    up to `size` missing, and different on every rank).
+    """
+    x = _array(x, "use_replicated")
+    c = as_comm(comm, "use_replicated")
+    (y,) = bind(PRIMITIVES["use_replicated"], [x], c)
+    return y

@@ -157,12 +157,22 @@ def test_in_place_aliasing_in_hlo():
 
 # ---------------------------------------------------------------- machinery --
 def test_every_op_is_one_spec_and_one_primitive():
-    assert set(_ops.SPECS) == set(_ops.PRIMITIVES) == {
+    assert set(_ops.SPECS) == set(_ops.PRIMITIVES) == set(_ops.LINEARIZED) == {
         "allreduce", "reduce", "bcast", "allgather", "gather", "scatter", "alltoall",
-        "reduce_scatter", "scan", "exscan", "send", "recv", "sendrecv", "barrier"}
+        "reduce_scatter", "scan", "exscan", "send", "recv", "sendrecv", "barrier",
+        "sum_replicated", "use_replicated"}
     for name, prim in _ops.PRIMITIVES.items():
         assert prim.name == f"vjpmpi_{name}"
-        assert prim in _collective._PRIMITIVES
+        assert _ops.LINEARIZED[name].name == f"vjpmpi_{name}_lin"
+        assert prim in _collective._PRIMITIVES and _ops.LINEARIZED[name] in _collective._PRIMITIVES
+
+
+def test_forward_programs_carry_no_effect():
+    # effect-free jaxprs keep JAX's fast dispatch path; only tangents carry an effect
+    f = lambda v: vjpmpi.allreduce(vjpmpi.allgather(v), MPI.SUM)  # noqa: E731
+    assert not jax.make_jaxpr(f)(jnp.ones(2)).effects
+    assert not jax.make_jaxpr(jax.grad(lambda v: jnp.sum(f(v))))(jnp.ones(2)).effects
+    assert jax.make_jaxpr(lambda a, b: jax.jvp(f, (a,), (b,)))(jnp.ones(2), jnp.ones(2)).effects
 
 
 @pytest.mark.parametrize("name", ["allreduce", "allgather", "scatter", "alltoall", "reduce_scatter"])

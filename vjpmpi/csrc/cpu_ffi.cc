@@ -2,10 +2,14 @@
 // Every handler takes the ordering token last and returns it last; the token
 // carries no data, it only orders the custom calls inside one XLA program.
 #include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <vector>
 #include <string>
 
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
+#include "nanobind/stl/vector.h"
 #include "vjpmpi_mpi.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -66,8 +70,24 @@ std::atomic<int64_t> in_flight{0};
 std::atomic<int64_t> overlaps{0};
 std::atomic<int64_t> calls{0};
 
+// Opt-in trace (VJPMPI_TRACE=1 at import): the sequence of collectives this
+// process ran, to compare across ranks.
+const bool tracing = [] {
+  const char* v = std::getenv("VJPMPI_TRACE");
+  return v != nullptr && v[0] != '\0' && v[0] != '0';
+}();
+std::mutex trace_mutex;
+std::vector<std::string> trace_log;
+
+void Trace(const char* name) {
+  if (!tracing) return;
+  std::lock_guard<std::mutex> lock(trace_mutex);
+  trace_log.emplace_back(name);
+}
+
 struct InFlight {
-  InFlight() {
+  explicit InFlight(const char* name) {
+    Trace(name);
     calls.fetch_add(1, std::memory_order_relaxed);
     if (in_flight.fetch_add(1, std::memory_order_acq_rel) != 0) {
       overlaps.fetch_add(1, std::memory_order_relaxed);
@@ -85,7 +105,7 @@ template <Impl F, Count N>
 ffi::Error Unary(const char* name, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                  int64_t comm, int64_t red, int64_t root, int64_t peer, int64_t peer2,
                  int64_t tag, int64_t tag2, int64_t status) {
-  InFlight guard;
+  InFlight guard(name);
   Call c = MakeCall(name, comm, red, root, peer, peer2, tag, tag2, status);
   c.kind = KindOf(x.element_type());
   if (c.kind == Kind::kUnsupported) return Unsupported(name);
@@ -143,7 +163,7 @@ VJPMPI_UNARY(kRecv, "recv", Recv, Count::kOut)
 ffi::Error SendImpl(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::Token>, int64_t comm,
                     int64_t red, int64_t root, int64_t peer, int64_t peer2, int64_t tag,
                     int64_t tag2, int64_t status) {
-  InFlight guard;
+  InFlight guard("send");
   Call c = MakeCall("send", comm, red, root, peer, peer2, tag, tag2, status);
   c.kind = KindOf(x.element_type());
   if (c.kind == Kind::kUnsupported) return Unsupported("send");
@@ -162,7 +182,7 @@ ffi::Error SendrecvImpl(ffi::AnyBuffer x, ffi::AnyBuffer, ffi::Token,
                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t comm,
                         int64_t red, int64_t root, int64_t peer, int64_t peer2, int64_t tag,
                         int64_t tag2, int64_t status) {
-  InFlight guard;
+  InFlight guard("sendrecv");
   Call c = MakeCall("sendrecv", comm, red, root, peer, peer2, tag, tag2, status);
   c.kind = KindOf(x.element_type());
   if (c.kind == Kind::kUnsupported || KindOf(y->element_type()) != c.kind) {
@@ -185,7 +205,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kSendrecv, SendrecvImpl,
 ffi::Error BarrierImpl(ffi::Token, ffi::Result<ffi::Token>, int64_t comm, int64_t red,
                        int64_t root, int64_t peer, int64_t peer2, int64_t tag, int64_t tag2,
                        int64_t status) {
-  InFlight guard;
+  InFlight guard("barrier");
   Call c = MakeCall("barrier", comm, red, root, peer, peer2, tag, tag2, status);
   c.kind = Kind::kU8;
   return Finish(Barrier(c, nullptr, nullptr));
@@ -237,6 +257,14 @@ NB_MODULE(_vjpmpi_cpu, m) {
   // The MPI library these kernels resolved at load time (checked at import
   // against the one mpi4py loaded).
   m.def("library_version", &LibraryVersion);
+  m.def("trace_enabled", []() { return tracing; });
+  // Returns and clears the recorded sequence of collectives.
+  m.def("take_trace", []() {
+    std::lock_guard<std::mutex> lock(trace_mutex);
+    std::vector<std::string> out;
+    out.swap(trace_log);
+    return out;
+  });
   // (kernel calls, calls that overlapped another running vjpmpi kernel)
   m.def("call_counts", []() {
     return nb::make_tuple(calls.load(), overlaps.load());

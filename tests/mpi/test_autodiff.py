@@ -1,0 +1,509 @@
+"""Differentiation: exact adjoints, nonlinear reductions, reverse order, symmetry,
+completeness under jit / vmap / scan / checkpoint / cg, and ordered_collective."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import vjpmpi
+
+from helpers import WORLD
+
+rank, size = WORLD.rank, WORLD.size
+nxt, prv = (rank + 1) % size, (rank - 1) % size
+needs2 = pytest.mark.skipif(size < 2, reason="needs at least 2 ranks")
+
+
+def rng(salt=0):
+    return np.random.default_rng(1000 + 97 * rank + 7919 * salt)
+
+
+def normal(shape, salt=0):
+    return jnp.asarray(rng(salt).standard_normal(shape))
+
+
+def gdot(a, b):
+    """Global inner product: local vdots summed over ranks."""
+    return WORLD.allreduce(float(np.real(np.vdot(np.asarray(a), np.asarray(b)))))
+
+
+def shift_peers():
+    """A non-periodic shift: the ends talk to MPI.PROC_NULL."""
+    return (rank - 1 if rank > 0 else MPI.PROC_NULL,
+            rank + 1 if rank + 1 < size else MPI.PROC_NULL)
+
+
+def _send_recv_pair(x):
+    # even ranks send to the next rank, odd ranks receive from the previous one
+    if rank % 2 == 0 and rank + 1 < size:
+        vjpmpi.send(x, rank + 1, tag=5)
+        return x * 2.0
+    if rank % 2 == 1:
+        return vjpmpi.recv(x, rank - 1, tag=5)
+    return x * 3.0
+
+
+def _linear_ops():
+    s = (4, 3)
+    ops = {
+        "allreduce": (lambda v: vjpmpi.allreduce(v, MPI.SUM), s),
+        "allgather": (vjpmpi.allgather, s),
+        "alltoall": (vjpmpi.alltoall, (size, 3)),
+        "reduce_scatter": (lambda v: vjpmpi.reduce_scatter(v, MPI.SUM), (size, 3)),
+        "scan": (lambda v: vjpmpi.scan(v, MPI.SUM), s),
+        "exscan": (lambda v: vjpmpi.exscan(v, MPI.SUM), s),
+        "sendrecv_ring": (lambda v: vjpmpi.sendrecv(v, v, prv, nxt, sendtag=1, recvtag=1), s),
+        "sendrecv_shift": (lambda v: vjpmpi.sendrecv(v, v * 2, *shift_peers(), recvtag=0), s),
+        "send_recv": (_send_recv_pair, s),
+    }
+    for root in range(size):
+        ops[f"reduce_root{root}"] = (lambda v, r=root: vjpmpi.reduce(v, MPI.SUM, r), s)
+        ops[f"bcast_root{root}"] = (lambda v, r=root: vjpmpi.bcast(v, r), s)
+        ops[f"gather_root{root}"] = (lambda v, r=root: vjpmpi.gather(v, r), s)
+        ops[f"scatter_root{root}"] = (lambda v, r=root: vjpmpi.scatter(v, r),
+                                      (size, 3) if rank == root else (3,))
+    return ops
+
+
+LINEAR = _linear_ops()
+NONLINEAR = {
+    f"{name}_{red}": (fn, red)
+    for red in ("MAX", "MIN", "PROD")
+    for name, fn in {
+        "allreduce": lambda v, op: vjpmpi.allreduce(v, op),
+        "reduce": lambda v, op: vjpmpi.reduce(v, op, size - 1),
+        "scan": lambda v, op: vjpmpi.scan(v, op),
+        "exscan": lambda v, op: vjpmpi.exscan(v, op),
+        "reduce_scatter": lambda v, op: vjpmpi.reduce_scatter(v, op),
+    }.items()
+}
+
+
+def _nl(name):
+    fn, red = NONLINEAR[name]
+    shape = (size, 3) if name.startswith("reduce_scatter") else (5,)
+    return (lambda v: fn(v, getattr(MPI, red))), shape
+
+
+# ------------------------------------------------------------- exactness --
+@pytest.mark.parametrize("name", list(LINEAR))
+def test_dot_product_linear_transpose(name):
+    f, shape = LINEAR[name]
+    x = normal(shape, 1)
+    y = jax.jit(f)(x)
+    w = normal(y.shape, 2)
+    (xt,) = jax.jit(jax.linear_transpose(f, x))(w)
+    lhs, rhs = gdot(y, w), gdot(x, xt)
+    assert abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs)), (lhs, rhs)
+    # vjp gives the same cotangent, and jvp agrees: <J v, w> = <v, J^T w>
+    _, vjp = jax.vjp(f, x)
+    np.testing.assert_allclose(vjp(w)[0], xt, rtol=1e-13, atol=1e-13)
+    v = normal(shape, 3)
+    _, jv = jax.jit(lambda a, b: jax.jvp(f, (a,), (b,)))(x, v)
+    assert abs(gdot(jv, w) - gdot(v, xt)) <= 1e-12 * max(1.0, abs(gdot(jv, w)))
+
+
+@pytest.mark.parametrize("name", list(NONLINEAR))
+def test_nonlinear_jvp_vjp_agree_and_match_finite_differences(name):
+    f, shape = _nl(name)
+    x = normal(shape, 4)
+    if name.endswith("PROD"):
+        x = x.at[0].set(0.0) if rank == 0 else x  # a zero factor: no division allowed
+    w = normal(jax.eval_shape(f, x).shape, 5)
+    if name.startswith("exscan") and rank == 0:
+        w = jnp.zeros_like(w)  # rank 0 holds the identity (+-inf for MAX/MIN): constant
+    d = normal(shape, 6)
+    y, jv = jax.jit(lambda a, b: jax.jvp(f, (a,), (b,)))(x, d)
+    _, vjp = jax.vjp(f, x)
+    (xt,) = vjp(w)
+    assert abs(gdot(jv, w) - gdot(d, xt)) <= 1e-12 * max(1.0, abs(gdot(jv, w)))
+    eps = 1e-6
+    fin = lambda y: jnp.where(jnp.isfinite(y), y, 0.0)  # noqa: E731
+    fd = (gdot(fin(f(x + eps * d)), w) - gdot(fin(f(x - eps * d)), w)) / (2 * eps)
+    assert abs(fd - gdot(d, xt)) <= 1e-6 * max(1.0, abs(fd)), (fd, gdot(d, xt))
+
+
+def test_max_ties_split_equally():
+    x = jnp.array([1.0, float(rank), 5.0 if rank < 2 else 0.0])
+    g = jax.grad(lambda v: jnp.sum(vjpmpi.allreduce(v, MPI.MAX)))(x)
+    # the objective summed over ranks is size * sum(max); ties share the derivative
+    n_tied = min(size, 2)
+    expected = [1.0, size if rank == size - 1 else 0.0, size / n_tied if rank < 2 else 0.0]
+    np.testing.assert_allclose(g, expected, rtol=1e-14)
+    g = jax.grad(lambda v: jnp.sum(vjpmpi.allreduce(-v, MPI.MIN)))(x)
+    np.testing.assert_allclose(g, -np.asarray(expected), rtol=1e-14)
+
+
+def test_prod_gradient_with_zeros():
+    vals = np.array([[2.0, 0.0, 3.0], [0.0, 0.0, 5.0], [4.0, 7.0, 0.5], [1.5, 2.0, 2.0]])[:size]
+    x = jnp.asarray(vals[rank])
+    g = jax.grad(lambda v: jnp.sum(vjpmpi.allreduce(v, MPI.PROD)))(x)
+    others = np.prod(np.delete(vals, rank, axis=0), axis=0)
+    np.testing.assert_allclose(g, size * others, rtol=1e-14)
+    assert np.all(np.isfinite(g))
+
+
+def test_integer_inputs_have_float0_tangents():
+    x = jnp.arange(3)
+    y, t = jax.jvp(lambda v: vjpmpi.allreduce(v, MPI.BAND), (x,),
+                   (np.zeros(3, jax.dtypes.float0),))
+    assert t.dtype == jax.dtypes.float0
+    np.testing.assert_array_equal(y, np.arange(3))
+
+
+# ------------------------------------------------------- seed reproducers --
+def test_seed_linear_transpose_allreduce_under_jit():
+    arr = jnp.ones((3, 2))
+
+    def f(x):
+        (res,) = jax.linear_transpose(lambda v: vjpmpi.allreduce(v, MPI.SUM), arr)(x)
+        return res
+
+    np.testing.assert_array_equal(jax.jit(f)(arr), np.full((3, 2), size))
+
+
+def test_seed_chained_and_multiple_outputs():
+    arr = jnp.arange(6.0).reshape(3, 2) + rank
+
+    def two(v):
+        return vjpmpi.allreduce(vjpmpi.allreduce(v, MPI.SUM), MPI.SUM)
+
+    (r,) = jax.jit(jax.linear_transpose(two, arr))(arr)
+    np.testing.assert_allclose(r, size * size * sum(np.arange(6.0).reshape(3, 2) + k
+                                                    for k in range(size)) / size)
+
+    def several(v):
+        a = vjpmpi.allreduce(v, MPI.SUM)
+        return a, vjpmpi.allgather(v), 2 * a  # the same collective result used twice
+
+    cts = (jnp.ones((3, 2)), jnp.ones((size, 3, 2)), jnp.ones((3, 2)))
+    (r,) = jax.jit(jax.linear_transpose(several, arr))(cts)
+    np.testing.assert_allclose(r, np.full((3, 2), 3.0 * size + size))
+    g = jax.jit(jax.grad(lambda v: jnp.sum(several(v)[0] * several(v)[2])))(arr)
+    total = sum(np.arange(6.0).reshape(3, 2) + k for k in range(size))
+    np.testing.assert_allclose(g, 4 * size * total)
+
+
+# ------------------------------------------------------------ reverse order --
+def _fwd_many(x):
+    a = vjpmpi.allreduce(x, MPI.SUM)
+    b = vjpmpi.allgather(2 * x)
+    c = vjpmpi.bcast(3 * x, 0)
+    d = vjpmpi.scan(x, MPI.SUM)
+    return jnp.sum(a ** 2) + jnp.sum(jnp.sin(b)) + jnp.sum(c * d)
+
+
+FORWARD = ["allreduce", "allgather", "bcast", "scan"]
+BACKWARD = ["allreduce", "exscan", "reduce", "reduce_scatter", "allreduce"]
+
+
+def test_backward_runs_transposes_in_reverse_order_in_hlo():
+    from test_api import assert_chain
+
+    text = jax.jit(jax.grad(_fwd_many)).lower(jnp.ones(3)).as_text()
+    assert_chain(text, FORWARD + BACKWARD)
+
+
+@pytest.mark.skipif(os.environ.get("VJPMPI_TRACE") != "1", reason="needs VJPMPI_TRACE=1")
+def test_runtime_trace_identical_on_every_rank():
+    vjpmpi.take_trace()
+    g = jax.jit(jax.grad(_fwd_many))(normal(3, 7))
+    g.block_until_ready()
+    seq = vjpmpi.take_trace()
+    assert seq == FORWARD + BACKWARD
+    assert all(s == seq for s in WORLD.allgather(seq))
+
+
+# --------------------------------------------------------------- symmetry --
+@needs2
+def test_cotangent_only_on_rank0():
+    x = normal(4, 8)
+
+    def loss(v):
+        y = vjpmpi.allreduce(v, MPI.SUM)
+        return jnp.sum(y ** 2) if rank == 0 else jnp.sum(v ** 2)
+
+    g = jax.jit(jax.grad(loss))(x)
+    y = sum(np.asarray(normal_other) for normal_other in WORLD.allgather(np.asarray(x)))
+    np.testing.assert_allclose(g, 2 * y + (2 * np.asarray(x) if rank != 0 else 0), rtol=1e-13)
+
+
+@needs2
+def test_allgather_unused_on_odd_ranks():
+    x = normal(3, 9)
+
+    def loss(v):
+        g = vjpmpi.allgather(v)
+        return jnp.sum(g[0] * g[-1]) if rank % 2 == 0 else jnp.sum(v)
+
+    g = jax.grad(loss)(x)
+    xs = WORLD.allgather(np.asarray(x))
+    n_even = (size + 1) // 2
+    expected = np.ones(3) if rank % 2 else np.zeros(3)
+    if rank == 0:
+        expected = expected + n_even * xs[-1]
+    if rank == size - 1:
+        expected = expected + n_even * xs[0]
+    np.testing.assert_allclose(g, expected, rtol=1e-13)
+
+
+@needs2
+def test_send_recv_only_receiver_loss():
+    x = normal(3, 10)
+
+    def loss(v):
+        if rank == 0:
+            vjpmpi.send(v, 1)
+            return jnp.zeros(())
+        if rank == 1:
+            return jnp.sum(vjpmpi.recv(v, 0) ** 2)  # v is the template
+        return jnp.sum(v)
+
+    g = jax.jit(jax.grad(loss))(x)
+    x0 = WORLD.bcast(np.asarray(x), root=0)
+    expected = {0: 2 * x0, 1: np.zeros(3)}.get(rank, np.ones(3))
+    np.testing.assert_allclose(g, expected, rtol=1e-13)
+
+
+@needs2
+def test_rank_dependent_cond_around_local_work():
+    x = normal(3, 11)
+
+    def loss(v):
+        local = jax.lax.cond(rank % 2 == 0, jnp.sin, jnp.cos, v)
+        return jnp.sum(vjpmpi.allreduce(local, MPI.SUM) ** 2)
+
+    g = jax.jit(jax.grad(loss))(x)
+    locals_ = [np.sin(a) if r % 2 == 0 else np.cos(a)
+               for r, a in enumerate(WORLD.allgather(np.asarray(x)))]
+    s = sum(locals_)
+    deriv = np.cos(np.asarray(x)) if rank % 2 == 0 else -np.sin(np.asarray(x))
+    np.testing.assert_allclose(g, size * 2 * s * deriv, rtol=1e-12)
+
+
+# ----------------------------------------------------------- completeness --
+@pytest.mark.parametrize("name", ["allreduce", "allgather", "alltoall", "reduce_scatter",
+                                  "scan", "exscan", "sendrecv_ring", "bcast_root0",
+                                  "scatter_root0", "gather_root0", "reduce_root0"])
+def test_vmap_of_jvp_vjp_and_transpose(name):
+    f, shape = LINEAR[name]
+    xs = normal((3, *shape), 12)
+    ws = jax.vmap(f)(xs)
+    cts = normal(ws.shape, 13)
+    got = jax.jit(jax.vmap(lambda x, c: jax.vjp(f, x)[1](c)[0]))(xs, cts)
+    tr = jax.vmap(lambda x, c: jax.linear_transpose(f, x)(c)[0])(xs, cts)
+    jv = jax.vmap(lambda x, t: jax.jvp(f, (x,), (t,))[1])(xs, xs)
+    for i in range(3):
+        _, vjp = jax.vjp(f, xs[i])
+        np.testing.assert_allclose(got[i], vjp(cts[i])[0], rtol=1e-13, atol=1e-14)
+        np.testing.assert_allclose(tr[i], vjp(cts[i])[0], rtol=1e-13, atol=1e-14)
+        np.testing.assert_allclose(jv[i], f(xs[i]), rtol=1e-13, atol=1e-14)  # linear: J x = f(x)
+
+
+def test_vmap_of_grad_nonlinear():
+    f, shape = _nl("allreduce_MAX")
+    xs = normal((4, *shape), 14)
+    g = jax.vmap(jax.grad(lambda v: jnp.sum(f(v) ** 2)))(xs)
+    for i in range(4):
+        np.testing.assert_allclose(g[i], jax.grad(lambda v: jnp.sum(f(v) ** 2))(xs[i]), rtol=1e-13)
+
+
+def test_second_order():
+    x, v = normal(3, 15), normal(3, 16)
+
+    def loss(u):
+        return jnp.sum(vjpmpi.allreduce(u, MPI.SUM) ** 3)
+
+    hv = jax.jit(lambda a, b: jax.jvp(jax.grad(loss), (a,), (b,))[1])(x, v)
+    y = sum(WORLD.allgather(np.asarray(x)))
+    vs = sum(WORLD.allgather(np.asarray(v)))
+    np.testing.assert_allclose(hv, 6 * size * y * vs, rtol=1e-12)
+    # jax.hessian's basis directions move the same coordinate on every rank at once:
+    # d/de of rank r's gradient size * prod_{s != r} x_s is size * sum_{s != r} prod_{t != r, s} x_t
+    prod_loss = lambda u: jnp.sum(vjpmpi.allreduce(u, MPI.PROD))  # noqa: E731
+    xs = np.stack(WORLD.allgather(np.asarray(x)))
+    diag = size * sum((np.prod(np.delete(xs, [rank, s], axis=0), axis=0)
+                       for s in range(size) if s != rank), np.zeros(3))
+    np.testing.assert_allclose(jax.hessian(prod_loss)(x), np.diag(diag), rtol=1e-12, atol=1e-14)
+    g = jax.grad(prod_loss)
+    hv = jax.jvp(g, (x,), (v,))[1]  # every rank perturbed: the global Hessian-vector product
+    eps = 1e-6
+    fd = (g(x + eps * v) - g(x - eps * v)) / (2 * eps)
+    np.testing.assert_allclose(hv, fd, rtol=1e-6, atol=1e-9)
+
+
+def _halo(u, comm=None):
+    left = vjpmpi.sendrecv(u[-1:], u[:1], prv, nxt, sendtag=3, recvtag=3, comm=comm)
+    right = vjpmpi.sendrecv(u[:1], u[-1:], nxt, prv, sendtag=4, recvtag=4, comm=comm)
+    return jnp.concatenate([left, u, right])
+
+
+halo = vjpmpi.ordered_collective(_halo)
+
+
+def _diffuse(u, steps, remat):
+    def step(v, _):
+        e = halo(v)
+        return v + 0.2 * (e[:-2] - 2 * v + e[2:]), None
+
+    step = jax.checkpoint(step) if remat else step
+    return jax.lax.scan(step, u, None, length=steps)[0]
+
+
+def _diffuse_global(u, steps):
+    for _ in range(steps):
+        u = u + 0.2 * (jnp.roll(u, 1) - 2 * u + jnp.roll(u, -1))
+    return u
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_halo_exchange_scan_100_steps_matches_single_process(remat):
+    n = 5
+    u0 = normal(n, 17)
+    target = normal(n, 18)
+
+    def loss(u):
+        return jnp.sum((_diffuse(u, 100, remat) - target) ** 2)
+
+    g = jax.jit(jax.grad(loss))(u0)
+    u_glob = jnp.concatenate(WORLD.allgather(np.asarray(u0)))
+    t_glob = jnp.concatenate(WORLD.allgather(np.asarray(target)))
+    g_ref = jax.grad(lambda u: jnp.sum((_diffuse_global(u, 100) - t_glob) ** 2))(u_glob)
+    np.testing.assert_allclose(g, g_ref[rank * n:(rank + 1) * n], rtol=1e-10, atol=1e-12)
+    fwd = jax.jit(lambda u: _diffuse(u, 100, remat))(u0)
+    np.testing.assert_allclose(fwd, _diffuse_global(u_glob, 100)[rank * n:(rank + 1) * n],
+                               rtol=1e-12)
+
+
+def test_fori_loop_and_checkpoint_of_collectives():
+    x = normal(3, 19)
+
+    @jax.checkpoint
+    def block(v):
+        return jnp.tanh(vjpmpi.allreduce(v, MPI.SUM) / size)
+
+    def loss(v):
+        return jnp.sum(jax.lax.fori_loop(0, 10, lambda i, a: block(a), v) ** 2)
+
+    g = jax.jit(jax.grad(loss))(x)
+    xs = jnp.stack([jnp.asarray(a) for a in WORLD.allgather(np.asarray(x))])
+
+    def ref(stack):  # every rank holds the same iterate after the first step
+        a = stack
+        for _ in range(10):
+            a = jnp.tanh(jnp.broadcast_to(a.sum(0) / size, a.shape))
+        return jnp.sum(a ** 2)  # sum over ranks of each rank's loss
+
+    np.testing.assert_allclose(g, jax.grad(ref)(xs)[rank], rtol=1e-12)
+
+
+def test_cg_with_distributed_operator():
+    n = 4
+    a_local = normal((n, n), 20) / np.sqrt(n)
+    a_glob = sum(np.asarray(m) @ np.asarray(m).T for m in WORLD.allgather(np.asarray(a_local)))
+    a_glob = a_glob + n * np.eye(n)
+    b = jnp.asarray(WORLD.bcast(np.random.default_rng(5).standard_normal(n), root=0))
+
+    def matvec(x):  # A = sum over ranks of M_r M_r^T (+ n I), x replicated
+        xr = vjpmpi.use_replicated(x)
+        return vjpmpi.sum_replicated(a_local @ (a_local.T @ xr)) + n * x
+
+    def loss(rhs):
+        x, _ = jax.scipy.sparse.linalg.cg(matvec, rhs, tol=1e-14)
+        return jnp.sum(x ** 2)
+
+    x, _ = jax.jit(lambda r: jax.scipy.sparse.linalg.cg(matvec, r, tol=1e-14))(b)
+    np.testing.assert_allclose(x, np.linalg.solve(a_glob, b), rtol=1e-9)
+    g = jax.jit(jax.grad(loss))(b)
+    x_ref = np.linalg.solve(a_glob, np.asarray(b))
+    np.testing.assert_allclose(g, 2 * np.linalg.solve(a_glob.T, x_ref), rtol=1e-8)
+
+
+# ---------------------------------------------------------- replicated pair --
+def test_replicated_pair_data_parallel_mean_loss():
+    w = jnp.asarray(WORLD.bcast(np.array([0.5, -1.0, 2.0]), root=0))  # replicated weights
+    xb = normal((6, 3), 21)  # this rank's batch
+    yb = normal(6, 22)
+
+    def mean_loss(weights, sum_op):
+        local = jnp.sum((xb @ vjpmpi.use_replicated(weights) - yb) ** 2)
+        return sum_op(local) / (6 * size)
+
+    g = jax.grad(mean_loss)(w, vjpmpi.sum_replicated)
+    xs = np.concatenate(WORLD.allgather(np.asarray(xb)))
+    ys = np.concatenate(WORLD.allgather(np.asarray(yb)))
+    g_ref = 2 * xs.T @ (xs @ np.asarray(w) - ys) / len(ys)
+    np.testing.assert_allclose(g, g_ref, rtol=1e-12)  # same, correct gradient on every rank
+    # the mistake the pair prevents: allreduce's true adjoint counts the replicated
+    # loss once per rank, giving size times the gradient
+    g_wrong = jax.grad(mean_loss)(w, lambda v: vjpmpi.allreduce(v, MPI.SUM))
+    np.testing.assert_allclose(g_wrong, size * g_ref, rtol=1e-12)
+
+
+def test_use_replicated_sums_cotangents_and_transposes():
+    w = jnp.ones(3)
+    g = jax.grad(lambda v: jnp.sum(vjpmpi.use_replicated(v) * (rank + 1)))(w)
+    np.testing.assert_allclose(g, np.full(3, size * (size + 1) / 2))
+    (t,) = jax.linear_transpose(vjpmpi.sum_replicated, w)(jnp.full(3, 2.0))
+    np.testing.assert_array_equal(t, np.full(3, 2.0))  # no communication backward
+    (t,) = jax.linear_transpose(vjpmpi.use_replicated, w)(jnp.full(3, float(rank)))
+    np.testing.assert_array_equal(t, np.full(3, size * (size - 1) / 2))
+
+
+# ----------------------------------------------------- ordered_collective --
+def test_ordered_collective_halo_gradient_check():
+    u = normal(6, 23)
+    w = normal(8, 24)
+    d = normal(6, 25)
+    f = jax.jit(lambda v: halo(v))
+    _, vjp = jax.vjp(halo, u)
+    (ut,) = vjp(w)
+    eps = 1e-6
+    fd = (gdot(f(u + eps * d), w) - gdot(f(u - eps * d), w)) / (2 * eps)
+    assert abs(fd - gdot(d, ut)) <= 1e-8 * max(1.0, abs(fd))
+    text = jax.jit(halo).lower(u).as_text(debug_info=True)
+    assert "vjpmpi._halo" in text  # the unit is named in the program
+
+
+@pytest.mark.skipif(size != 2, reason="a two-stage pipeline runs on exactly 2 ranks")
+def test_ordered_collective_two_stage_pipeline_matches_single_process():
+    w0 = jnp.asarray(np.random.default_rng(1).standard_normal((4, 3)))
+    w1 = jnp.asarray(np.random.default_rng(2).standard_normal((2, 4)))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal(3))
+
+    @vjpmpi.ordered_collective
+    def pipeline(params):
+        if rank == 0:
+            h = jnp.tanh(params @ x)
+            vjpmpi.send(h, 1, tag=9)
+            return jnp.zeros(())
+        h = vjpmpi.recv(params[:, 0], 0, tag=9)  # template: shape (4,), values unused
+        return jnp.sum((w1 @ h) ** 2) + 0.0 * jnp.sum(params)
+
+    params = w0 if rank == 0 else jnp.zeros((4, 3))
+    g = jax.jit(jax.grad(pipeline))(params)
+    g_ref = jax.grad(lambda a: jnp.sum((w1 @ jnp.tanh(a @ x)) ** 2))(w0)
+    if rank == 0:
+        np.testing.assert_allclose(g, g_ref, rtol=1e-12)
+
+
+def test_ordered_collective_nests_and_vmaps():
+    @vjpmpi.ordered_collective(name="outer")
+    def outer(u):
+        return halo(halo(u)[1:-1] * 2.0)
+
+    us = normal((3, 5), 26)
+    got = jax.vmap(outer)(us)
+    for i in range(3):
+        np.testing.assert_allclose(got[i], outer(us[i]), rtol=1e-14)
+    g = jax.grad(lambda v: jnp.sum(outer(v) ** 2))(us[0])
+    d, w = normal(5, 27), jnp.ones(7)
+    eps = 1e-6
+    lo = lambda v: jnp.sum(outer(v) ** 2)  # noqa: E731
+    fd = (WORLD.allreduce(float(lo(us[0] + eps * d))) - WORLD.allreduce(float(lo(us[0] - eps * d)))) / (2 * eps)
+    assert abs(fd - gdot(d, g)) <= 1e-6 * max(1.0, abs(fd))
+    del w
