@@ -67,8 +67,8 @@ class Collective:
 
 # ------------------------------------------------- dead code elimination --
 # Collectives communicate, so one whose result is unused must still run (its
-# peers wait for it).  Our primitives carry no JAX effect (an effect would send
-# every jitted call down JAX's slow dispatch path), so we keep them alive
+# peers wait for it).  The forward primitives carry no JAX effect (an effect would
+# send every jitted call down JAX's slow dispatch path), so we keep them alive
 # ourselves: a rule that never drops them, and a guard on every higher-order
 # primitive (loops, conditionals, nested jit, remat, custom derivatives) that
 # keeps the whole equation when its body contains a collective.
@@ -84,20 +84,18 @@ def contains_collective(jaxpr: core.Jaxpr) -> bool:
     """Whether `jaxpr` (or any jaxpr nested in it) binds a vjpmpi collective."""
     hit = _contains_cache.get(jaxpr)
     if hit is None:
-        hit = any(
-            eqn.primitive in _PRIMITIVES
-            or any(contains_collective(j) for j in core.jaxprs_in_params(eqn.params))
-            for eqn in jaxpr.eqns
-        )
+        hit = any(_communicates(eqn) for eqn in jaxpr.eqns)
         _contains_cache[jaxpr] = hit
     return hit
 
 
+def _body_communicates(eqn) -> bool:
+    return any(contains_collective(j) for j in core.jaxprs_in_params(eqn.params))
+
+
 def _guarded(rule):
     def dce_rule(used_outputs, eqn):
-        if not any(used_outputs) and any(
-            contains_collective(j) for j in core.jaxprs_in_params(eqn.params)
-        ):
+        if not any(used_outputs) and _body_communicates(eqn):
             if not used_outputs:  # nothing to keep alive but the equation itself
                 return [True] * len(eqn.invars), eqn
             used_outputs = [True] * len(used_outputs)
@@ -108,9 +106,7 @@ def _guarded(rule):
 
 
 def _communicates(eqn) -> bool:
-    return eqn.primitive in _PRIMITIVES or any(
-        contains_collective(j) for j in core.jaxprs_in_params(eqn.params)
-    )
+    return eqn.primitive in _PRIMITIVES or _body_communicates(eqn)
 
 
 def _keep_traced_eqns() -> None:
