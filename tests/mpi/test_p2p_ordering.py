@@ -160,17 +160,21 @@ def test_eager_calls_in_call_order():
 
 @needs2
 def test_recv_status_any_source_and_tag():
+    # A communicator of its own: wildcard receives must not see other tests' messages.
+    comm = WORLD.Dup()
     status = MPI.Status()
     if rank == 0:
         got = {}
         for _ in range(size - 1):
-            y = vjpmpi.recv(jnp.zeros(2), status=status)
+            y = vjpmpi.recv(jnp.zeros(2), status=status, comm=comm)
             got[status.Get_source()] = (np.asarray(y), status.Get_tag())
         for src in range(1, size):
             np.testing.assert_array_equal(got[src][0], np.full(2, float(src)))
             assert got[src][1] == 10 + src
     else:
-        vjpmpi.send(jnp.full(2, float(rank)), 0, tag=10 + rank)
+        vjpmpi.send(jnp.full(2, float(rank)), 0, tag=10 + rank, comm=comm)
+    comm.Barrier()
+    comm.Free()
 
 
 @needs2
