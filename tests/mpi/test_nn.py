@@ -1,0 +1,133 @@
+"""vjpmpi.nn: every sharded layer equals its single-process equinox reference."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import vjpmpi.nn as vnn
+from vjpmpi import _mpi
+
+from helpers import WORLD
+
+rank, size = WORLD.rank, WORLD.size
+F = 12  # divisible by 1, 2, 3 and 4 ranks
+
+
+def loss_of(layer, x):
+    return jnp.sum(jnp.sin(layer(x)))
+
+
+@eqx.filter_jit
+def grads(layer, x):
+    """(gradient w.r.t. the layer's parameters, gradient w.r.t. the input)."""
+    return eqx.filter_grad(loss_of)(layer, x), jax.grad(lambda v: loss_of(layer, v))(x)
+
+
+def close(a, b, tol=1e-12):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+def shard_rows(w, axis=0):
+    k = w.shape[axis] // size
+    return jax.lax.slice_in_dim(w, rank * k, (rank + 1) * k, axis=axis)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_column_parallel_linear(gather):
+    dense = eqx.nn.Linear(7, F, key=jax.random.PRNGKey(1))
+    layer = vnn.ColumnParallelLinear.from_dense(dense, gather_output=gather)
+    x = jax.random.normal(jax.random.PRNGKey(2), (7,))
+    y = eqx.filter_jit(layer)(x)
+    close(y, dense(x) if gather else shard_rows(dense(x)))
+    if gather:  # replicated loss: gradients equal the single-process ones
+        (g, gx), (gd, gxd) = grads(layer, x), grads(dense, x)
+        close(gx, gxd)
+        close(g.weight, shard_rows(gd.weight))
+        close(g.bias, shard_rows(gd.bias))
+    close(layer.to_dense().weight, dense.weight)
+
+
+@pytest.mark.parametrize("parallel_in", [False, True])
+def test_row_parallel_linear(parallel_in):
+    dense = eqx.nn.Linear(F, 5, key=jax.random.PRNGKey(3))
+    layer = vnn.RowParallelLinear.from_dense(dense, input_is_parallel=parallel_in)
+    x = jax.random.normal(jax.random.PRNGKey(4), (F,))
+    xin = shard_rows(x) if parallel_in else x
+    close(eqx.filter_jit(layer)(xin), dense(x))
+    g, gx = grads(layer, xin)
+    gd, gxd = grads(dense, x)
+    close(gx, shard_rows(gxd) if parallel_in else gxd)
+    close(g.weight, shard_rows(gd.weight, axis=1))
+    close(g.bias, gd.bias)
+    close(layer.to_dense().weight, dense.weight)
+
+
+def test_parallel_mlp_and_init_from_key():
+    mlp = eqx.nn.MLP(6, 3, F, depth=1, activation=jnp.tanh, key=jax.random.PRNGKey(5))
+    layer = vnn.ParallelMLP.from_dense(mlp)
+    x = jax.random.normal(jax.random.PRNGKey(6), (6,))
+    close(eqx.filter_jit(layer)(x), mlp(x))
+    (g, gx), (gd, gxd) = grads(layer, x), grads(mlp, x)
+    close(gx, gxd)
+    close(g.column.weight, shard_rows(gd.layers[0].weight))
+    close(g.row.weight, shard_rows(gd.layers[1].weight, axis=1))
+    close(g.row.bias, gd.layers[1].bias)
+    # sharded init from one key = the same global weights on any number of ranks
+    from_key = vnn.ColumnParallelLinear(6, F, key=jax.random.PRNGKey(7))
+    close(from_key.to_dense().weight, eqx.nn.Linear(6, F, key=jax.random.PRNGKey(7)).weight)
+
+
+def test_vocab_parallel_embedding():
+    dense = eqx.nn.Embedding(F, 4, key=jax.random.PRNGKey(8))
+    layer = vnn.VocabParallelEmbedding.from_dense(dense)
+    ids = jnp.array([0, 3, F - 1, 5, 3])
+    close(eqx.filter_jit(lambda m, v: jax.vmap(m)(v))(layer, ids), jax.vmap(dense)(ids))
+    g = eqx.filter_grad(lambda m: jnp.sum(jnp.sin(jax.vmap(m)(ids))))(layer)
+    gd = eqx.filter_grad(lambda m: jnp.sum(jnp.sin(jax.vmap(m)(ids))))(dense)
+    close(g.weight, shard_rows(gd.weight))
+    close(layer.to_dense().weight, dense.weight)
+
+
+def test_uneven_split_is_a_clear_error():
+    if size == 1:
+        pytest.skip("any feature count divides 1 rank")
+    with pytest.raises(ValueError, match=r"vjpmpi\.nn\.ColumnParallelLinear: out_features=\d+ "
+                                         r"is not divisible by the communicator size"):
+        vnn.ColumnParallelLinear(3, size * 2 + 1, key=jax.random.PRNGKey(0))
+
+
+def test_float32_equivalence():
+    dense = eqx.nn.MLP(6, 3, F, depth=1, key=jax.random.PRNGKey(9), dtype=jnp.float32)
+    layer = vnn.ParallelMLP.from_dense(dense)
+    x = jax.random.normal(jax.random.PRNGKey(10), (6,), jnp.float32)
+    np.testing.assert_allclose(layer(x), dense(x), rtol=1e-5, atol=1e-6)
+    (g, gx), (gd, gxd) = grads(layer, x), grads(dense, x)
+    np.testing.assert_allclose(gx, gxd, rtol=1e-5, atol=1e-6)
+
+
+def test_allreduce_gradients_one_call_per_dtype_and_optax():
+    from vjpmpi import _kernels
+
+    tree = {"a": jnp.full(3, rank + 1.0), "b": [jnp.ones((2, 2)) * rank, jnp.arange(2.0)],
+            "c": jnp.ones(2, jnp.float32) * rank, "n": 7}
+    calls = _kernels.cpu.call_counts()[0]
+    out = vnn.allreduce_gradients(tree)
+    assert _kernels.cpu.call_counts()[0] - calls == 2  # float64 group + float32 group
+    close(out["a"], np.full(3, (size + 1) / 2))
+    close(out["b"][0], np.ones((2, 2)) * (size - 1) / 2)
+    assert out["c"].dtype == jnp.float32 and out["n"] == 7
+    summed = vnn.allreduce_gradients(tree, mean=False)
+    close(summed["a"], np.full(3, size * (size + 1) / 2))
+    # data-parallel SGD with optax: every rank ends with the same parameters
+    params = {"w": jnp.ones(3)}
+    opt = optax.sgd(0.1)
+    state = opt.init(params)
+    for _ in range(3):
+        g = jax.grad(lambda p: jnp.sum((p["w"] * (rank + 1)) ** 2))(params)
+        updates, state = opt.update(vnn.allreduce_gradients(g), state)
+        params = optax.apply_updates(params, updates)
+    assert all(np.allclose(p, params["w"]) for p in WORLD.allgather(np.asarray(params["w"])))
+    assert isinstance(_mpi.as_comm(None, "x"), _mpi.CommRef)
