@@ -131,3 +131,73 @@ def test_allreduce_gradients_one_call_per_dtype_and_optax():
         params = optax.apply_updates(params, updates)
     assert all(np.allclose(p, params["w"]) for p in WORLD.allgather(np.asarray(params["w"])))
     assert isinstance(_mpi.as_comm(None, "x"), _mpi.CommRef)
+
+
+def test_parallel_multihead_attention():
+    heads = 3 if size == 3 else 4  # divisible by the rank count
+    dense = eqx.nn.MultiheadAttention(heads, 8, qk_size=3, vo_size=2, key=jax.random.PRNGKey(11))
+    layer = vnn.ParallelMultiheadAttention.from_dense(dense)
+    q = jax.random.normal(jax.random.PRNGKey(12), (5, 8))
+    kv = jax.random.normal(jax.random.PRNGKey(13), (6, 8))
+    mask = jnp.tril(jnp.ones((5, 6), bool))
+    close(eqx.filter_jit(layer)(q, kv, kv, mask), dense(q, kv, kv, mask))
+
+    def loss(m, a, b):
+        return jnp.sum(jnp.sin(m(a, b, b, mask)))
+
+    g, gq = eqx.filter_jit(eqx.filter_grad(lambda m, a: loss(m, a, kv)))(layer, q), \
+        jax.grad(lambda a: loss(layer, a, kv))(q)
+    gd, gqd = eqx.filter_grad(lambda m, a: loss(m, a, kv))(dense, q), \
+        jax.grad(lambda a: loss(dense, a, kv))(q)
+    close(gq, gqd)
+    close(g.local.query_proj.weight, shard_rows(gd.query_proj.weight))
+    close(g.local.value_proj.weight, shard_rows(gd.value_proj.weight))
+    close(g.local.output_proj.weight, shard_rows(gd.output_proj.weight, axis=1))
+    close(layer.to_dense().query_proj.weight, dense.query_proj.weight)
+
+
+class Block(eqx.Module):
+    """A transformer block: pre-norm attention and MLP with residuals."""
+
+    norm1: eqx.nn.LayerNorm
+    attn: eqx.Module
+    norm2: eqx.nn.LayerNorm
+    mlp: eqx.Module
+
+    def __call__(self, x):
+        h = jax.vmap(self.norm1)(x)
+        x = x + self.attn(h, h, h)
+        return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
+
+
+def test_transformer_block_20_optax_steps_matches_single_process():
+    k = jax.random.split(jax.random.PRNGKey(14), 3)
+    d = 8
+    dense = Block(eqx.nn.LayerNorm(d), eqx.nn.MultiheadAttention(4 if size != 3 else 3, d, key=k[0]),
+                  eqx.nn.LayerNorm(d), eqx.nn.MLP(d, d, F, depth=1, key=k[1]))
+    dense = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32) if eqx.is_inexact_array(a) else a,
+                                   dense)
+    parallel = Block(dense.norm1, vnn.ParallelMultiheadAttention.from_dense(dense.attn), dense.norm2,
+                     vnn.ParallelMLP.from_dense(dense.mlp))
+    x = jax.random.normal(k[2], (6, d), jnp.float32)
+    target = jnp.cos(x)
+
+    def run(model):
+        opt = optax.adam(1e-2)
+        state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+
+        @eqx.filter_jit
+        def step(m, s):
+            g = eqx.filter_grad(lambda mm: jnp.mean((mm(x) - target) ** 2))(m)
+            u, s = opt.update(g, s, m)
+            return eqx.apply_updates(m, u), s
+
+        for _ in range(20):
+            model, state = step(model, state)
+        return model
+
+    trained, ref = run(parallel), run(dense)
+    gathered = Block(trained.norm1, trained.attn.to_dense(), trained.norm2, trained.mlp.to_dense())
+    for a, b in zip(jax.tree_util.tree_leaves(eqx.filter(gathered, eqx.is_inexact_array)),
+                    jax.tree_util.tree_leaves(eqx.filter(ref, eqx.is_inexact_array))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -1,7 +1,10 @@
 """Equinox layers for distributed models on vjpmpi's collectives."""
 
+from ._attention import ParallelMultiheadAttention as ParallelMultiheadAttention
 from ._embedding import VocabParallelEmbedding as VocabParallelEmbedding
 from ._linear import ColumnParallelLinear as ColumnParallelLinear
 from ._linear import RowParallelLinear as RowParallelLinear
 from ._mlp import ParallelMLP as ParallelMLP
 from ._mlp import allreduce_gradients as allreduce_gradients
+from ._halo import HaloConv as HaloConv
+from ._halo import HaloExchange as HaloExchange
