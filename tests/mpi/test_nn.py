@@ -201,3 +201,14 @@ def test_transformer_block_20_optax_steps_matches_single_process():
     for a, b in zip(jax.tree_util.tree_leaves(eqx.filter(gathered, eqx.is_inexact_array)),
                     jax.tree_util.tree_leaves(eqx.filter(ref, eqx.is_inexact_array))):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_layers_under_filter_vmap():
+    dense = eqx.nn.Linear(5, F, key=jax.random.PRNGKey(15))
+    layer = vnn.ColumnParallelLinear.from_dense(dense, gather_output=True)
+    xs = jax.random.normal(jax.random.PRNGKey(16), (7, 5))
+    close(eqx.filter_vmap(layer)(xs), jax.vmap(dense)(xs))
+    row = vnn.RowParallelLinear.from_dense(eqx.nn.Linear(F, 3, key=jax.random.PRNGKey(17)),
+                                           input_is_parallel=False)
+    ys = jax.random.normal(jax.random.PRNGKey(18), (7, F))
+    close(eqx.filter_jit(eqx.filter_vmap(row))(ys), jax.vmap(row.to_dense())(ys))
