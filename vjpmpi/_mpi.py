@@ -32,7 +32,6 @@ class CommRef:
 
 _default_lock = threading.Lock()
 _default: CommRef | None = None
-_refs: dict[tuple[int, int, int], CommRef] = {}
 
 
 def default_comm() -> MPI.Intracomm:
@@ -66,12 +65,10 @@ def as_comm(comm: Any, op: str) -> CommRef:
         raise TypeError(
             f"vjpmpi.{op}: argument 'comm' must be an intracommunicator, got an intercommunicator"
         )
-    size, rank = comm.Get_size(), comm.Get_rank()
-    key = (comm.handle, size, rank)
-    ref = _refs.get(key)
-    if ref is None:
-        ref = _refs.setdefault(key, CommRef(comm.handle, size, rank, comm))
-    return ref
+    # A fresh record each time: it compares by (handle, size, rank), so caches keyed
+    # on it still hit, and `.comm` is always the live communicator (a freed one's
+    # handle may be reused by a new communicator).
+    return CommRef(comm.handle, comm.Get_size(), comm.Get_rank(), comm)
 
 
 # Reduction codes; the C++ enum `Red` in csrc/vjpmpi_mpi.h uses the same numbers.

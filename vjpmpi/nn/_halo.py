@@ -1,0 +1,159 @@
+"""Domain-decomposed halo layers on a Cartesian communicator (1-D or 2-D)."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+from mpi4py import MPI
+
+from .._composite import ordered_collective
+from .._mpi import CommRef, as_comm
+from .._ops import sendrecv
+
+
+def _cart_ref(cart, layer: str) -> CommRef:
+    if not isinstance(cart, MPI.Cartcomm):
+        raise TypeError(
+            f"vjpmpi.nn.{layer}: argument 'cart' must be an mpi4py Cartesian communicator "
+            f"(comm.Create_cart(dims, periods=...)), got {type(cart).__name__}"
+        )
+    ref = as_comm(cart, f"nn.{layer}")
+    if cart.Get_dim() not in (1, 2):
+        raise ValueError(
+            f"vjpmpi.nn.{layer}: the Cartesian communicator must have 1 or 2 dimensions, "
+            f"got {cart.Get_dim()}"
+        )
+    return ref
+
+
+def _edge(u, axis: int, start: int, stop: int):
+    idx = [slice(None)] * u.ndim
+    idx[axis] = slice(start, stop)
+    return u[tuple(idx)]
+
+
+@ordered_collective(name="halo_exchange")
+def _exchange(u, *, comm, width, neighbours, ndim):
+    """Pad the trailing `ndim` axes of `u` with `width` cells from the neighbours."""
+    for axis, (source, dest) in enumerate(neighbours):
+        ax = u.ndim - ndim + axis
+        n = u.shape[ax]
+        high = _edge(u, ax, n - width, n)   # my last `width` cells: go to `dest`
+        low = _edge(u, ax, 0, width)        # my first `width` cells: go to `source`
+        # Templates derived from `u` (zeros where the partner is PROC_NULL, so the
+        # boundary halo is zero-filled) keep the result differentiable in `u`.
+        tmpl_lo = low if source != MPI.PROC_NULL else 0 * low
+        tmpl_hi = high if dest != MPI.PROC_NULL else 0 * high
+        # Shift +1: send high edge to dest, receive my low halo from source.
+        halo_lo = sendrecv(high, tmpl_lo, source, dest,
+                           sendtag=2 * axis, recvtag=2 * axis, comm=comm)
+        # Shift -1: send low edge to source, receive my high halo from dest.
+        halo_hi = sendrecv(low, tmpl_hi, dest, source,
+                           sendtag=2 * axis + 1, recvtag=2 * axis + 1, comm=comm)
+        # Axis 1 pads the array already padded on axis 0, so corners get filled.
+        u = jnp.concatenate([halo_lo, u, halo_hi], axis=ax)
+    return u
+
+
+class HaloExchange(eqx.Module):
+    """Halo exchange of a block-decomposed field over a Cartesian communicator.
+
+    Shape: this rank's block `(..., n0)` (1-D cart) or `(..., n0, n1)` (2-D cart) ->
+    `(..., n0 + 2*width)` / `(..., n0 + 2*width, n1 + 2*width)`; the trailing axes are
+    the decomposed ones (leading axes, e.g. channels, are carried along). Halo cells
+    come from the neighbours given by `cart.Shift(axis, 1)`; at a non-periodic
+    boundary (neighbour MPI.PROC_NULL) they are zero. Corners are filled (axis 1 is
+    exchanged after axis 0, on the axis-0-padded array).
+    Transpose: the reverse exchange, which adds the halo cotangents back into the
+    cells that own them (done automatically by vjpmpi's sendrecv transposes).
+    """
+
+    comm: CommRef = eqx.field(static=True)
+    width: int = eqx.field(static=True)
+    dims: tuple[int, ...] = eqx.field(static=True)
+    periodic: tuple[bool, ...] = eqx.field(static=True)
+    neighbours: tuple[tuple[int, int], ...] = eqx.field(static=True)
+
+    def __init__(self, cart, width: int = 1):
+        self.comm = _cart_ref(cart, "HaloExchange")
+        width = int(width)
+        if width < 0:
+            raise ValueError(f"vjpmpi.nn.HaloExchange: width must be >= 0, got {width}")
+        self.width = width
+        dims, periods, _ = cart.Get_topo()
+        self.dims = tuple(int(d) for d in dims)
+        self.periodic = tuple(bool(p) for p in periods)
+        self.neighbours = tuple(tuple(int(r) for r in cart.Shift(a, 1))
+                                for a in range(len(self.dims)))
+
+    def __call__(self, u: Float[Array, "..."], *, key=None) -> Float[Array, "..."]:
+        nd = len(self.dims)
+        if u.ndim < nd:
+            raise ValueError(
+                f"vjpmpi.nn.HaloExchange: expected at least {nd} axes (the decomposed "
+                f"ones last), got shape {tuple(u.shape)}"
+            )
+        if self.width == 0:
+            return u
+        for n in u.shape[u.ndim - nd:]:
+            if n < self.width:
+                raise ValueError(
+                    f"vjpmpi.nn.HaloExchange: block shape {tuple(u.shape[u.ndim - nd:])} "
+                    f"is smaller than the halo width {self.width}"
+                )
+        return _exchange(u, comm=self.comm.comm, width=self.width,
+                         neighbours=self.neighbours, ndim=nd)
+
+
+class HaloConv(eqx.Module):
+    """Domain-decomposed `eqx.nn.Conv` (stride 1, odd kernel) over a Cartesian communicator.
+
+    Shape: this rank's block `(in_channels, n0[, n1])` -> `(out_channels, n0[, n1])`;
+    the blocks together equal the single-process conv of the global field with 'SAME'
+    padding (circular where the cart is periodic, zeros where it is not). The conv
+    weights are replicated: each rank's weight gradient holds its own block's
+    contribution (sum them over ranks, e.g. with an allreduce, for the global gradient).
+    Transpose: the conv's transpose, then the reverse halo exchange, which adds the
+    halo cotangents back into the owning cells (vjpmpi's sendrecv transposes).
+    """
+
+    conv: eqx.nn.Conv
+    halo: HaloExchange
+
+    def __init__(self, conv: eqx.nn.Conv, cart):
+        _cart_ref(cart, "HaloConv")  # validates `cart`
+        nd = len(cart.Get_topo()[0])
+        if conv.num_spatial_dims != nd:
+            raise ValueError(
+                f"vjpmpi.nn.HaloConv: conv has {conv.num_spatial_dims} spatial dims but the "
+                f"Cartesian communicator has {nd}"
+            )
+        ks = tuple(int(k) for k in conv.kernel_size)
+        if len(set(ks)) != 1 or ks[0] % 2 != 1:
+            raise ValueError(
+                f"vjpmpi.nn.HaloConv: kernel_size must be odd and equal on every axis, got {ks}"
+            )
+        if any(int(s) != 1 for s in conv.stride) or any(int(d) != 1 for d in conv.dilation):
+            raise ValueError("vjpmpi.nn.HaloConv: stride and dilation must be 1")
+        if any(tuple(p) != (0, 0) for p in conv.padding):
+            raise ValueError(
+                "vjpmpi.nn.HaloConv: the conv must be built with padding=0 ('VALID'); "
+                f"got padding {conv.padding}"
+            )
+        self.conv = conv
+        self.halo = HaloExchange(cart, (ks[0] - 1) // 2)
+
+    @classmethod
+    def from_dense(cls, conv: eqx.nn.Conv, cart) -> HaloConv:
+        """Wrap a standard `eqx.nn.Conv` built with padding 0 (same weights on every rank)."""
+        return cls(conv, cart)
+
+    def __call__(self, u: Float[Array, "c ..."], *, key=None) -> Float[Array, "o ..."]:
+        nd = len(self.halo.dims)
+        if u.ndim != nd + 1:
+            raise ValueError(
+                f"vjpmpi.nn.HaloConv: expected shape (channels, *block) with {nd} spatial "
+                f"axes, got {tuple(u.shape)}"
+            )
+        return self.conv(self.halo(u))
