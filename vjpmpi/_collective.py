@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pathlib
+import sys
 import threading
 import weakref
 from typing import Callable, Sequence
@@ -26,7 +28,11 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
 from . import _kernels  # noqa: F401  (registers the FFI targets)
-from ._mpi import CommRef
+from ._mpi import RED_NAMES, CommRef
+
+_PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parent)
+_LIBRARY_DIRS = tuple(str(pathlib.Path(m.__file__).resolve().parent)
+                      for m in (jax, np)) + (_PACKAGE_DIR, "<frozen")
 
 # Static parameters every collective primitive carries (unused ones are 0).
 PARAMS = ("comm", "red", "root", "peer", "peer2", "tag", "tag2", "status")
@@ -160,6 +166,39 @@ def _int64(v: int) -> np.int64:
     return np.int64(v - (1 << 64) if v >= (1 << 63) else v)
 
 
+def _user_frame() -> str:
+    """`file:line (function)` of the user code that issued the collective being lowered."""
+    tb = source_info_util.current().traceback
+    for frame in source_info_util.user_frames(tb) if tb is not None else ():
+        if not frame.file_name.startswith(_PACKAGE_DIR):
+            return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    # eager calls: the Python stack of the call being compiled
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        f = f.f_back
+    if f is None:
+        return "an unknown location"
+    return f"{f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
+
+
+def _site(ctx, spec: Collective, params) -> int:
+    """Register a description of this call site with the kernels (check/timeout on)."""
+    name = spec.ffi_target()
+    detail = []
+    if name in ("allreduce", "reduce", "reduce_scatter", "scan", "exscan"):
+        detail.append(RED_NAMES[params["red"]])
+    if name in ("reduce", "bcast", "gather", "scatter"):
+        detail.append(f"root={params['root']}")
+    if name in ("send", "sendrecv"):
+        detail.append(f"dest={params['peer']}")
+    if name in ("recv", "sendrecv"):
+        detail.append(f"source={params['peer2']}")
+    avals = ", ".join(f"{a.dtype}{list(a.shape)}" for a in ctx.avals_in)
+    stage = " [backward]" if "transpose" in str(ctx.name_stack) else ""
+    return _kernels.register_site(
+        f"{name}({', '.join(detail)}) on {avals or 'no data'}{stage} at {_user_frame()}")
+
+
 def _lower(ctx, *args, spec: Collective, **params):
     """Lower to `vjpmpi_<target>` taking the block's last token and returning the next."""
     if spec.ffi_target() is None:
@@ -183,6 +222,7 @@ def _lower(ctx, *args, spec: Collective, **params):
         avals_out=[*ctx.avals_out, core.abstract_token],
     )
     attrs = {k: _int64(params[k].handle if k == "comm" else params[k]) for k in PARAMS}
+    attrs["site"] = np.int64(_site(ctx, spec, params) if _kernels.CHECK or _kernels.TIMEOUT else 0)
     outs = rule(sub, *args, token, **attrs)
     tokens[block] = outs[-1]
     return outs[:-1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 from mpi4py import MPI  # loads libmpi before the kernels resolve against it
 
@@ -36,6 +38,26 @@ for _name, _capsule in cpu.registrations().items():
     jax.ffi.register_ffi_target(f"vjpmpi_{_name}", _capsule, platform="cpu")
 
 STATUS_SIZE = cpu.status_size
+
+
+def _env_timeout() -> float:
+    raw = os.environ.get("VJPMPI_TIMEOUT", "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"VJPMPI_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"VJPMPI_TIMEOUT must be positive, got {raw!r}")
+    return value
+
+
+# Opt-in diagnostics, read once at import (see README, "When things go wrong").
+CHECK = os.environ.get("VJPMPI_CHECK", "").strip() not in ("", "0")
+TIMEOUT = _env_timeout()
+cpu.configure(CHECK, TIMEOUT)
+register_site = cpu.register_site
 
 
 def take_trace() -> list[str]:

@@ -35,7 +35,12 @@ _default: CommRef | None = None
 
 
 def default_comm() -> MPI.Intracomm:
-    """vjpmpi's private duplicate of COMM_WORLD (made once, errors returned)."""
+    """vjpmpi's private duplicate of COMM_WORLD (made at import, errors returned).
+
+    Made when vjpmpi is imported (every rank imports it at the same point of an
+    SPMD program), not at first use: a hidden collective at first use would hang
+    any rank whose first vjpmpi call comes at a different point.
+    """
     global _default
     with _default_lock:
         if _default is None:
@@ -136,3 +141,7 @@ def check_red_dtype(red: int, dtype: np.dtype, op: str) -> int:
     raise TypeError(
         f"vjpmpi.{op}: reduction MPI.{RED_NAMES[red]} is not defined for dtype {dtype}"
     )
+
+
+if MPI.Is_initialized() and not MPI.Is_finalized():
+    default_comm()

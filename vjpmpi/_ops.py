@@ -11,6 +11,7 @@ import operator
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from jax._src import core
 from jax._src.interpreters import ad
 from mpi4py import MPI
@@ -233,10 +234,15 @@ for _name, _spec in SPECS.items():
 
 # ------------------------------------------------------------ validation --
 def _array(x: Any, op: str, arg: str = "x"):
+    dtype = getattr(x, "dtype", None)
+    if isinstance(dtype, np.dtype) and dtype.kind in "OSUMm":
+        raise TypeError(f"vjpmpi.{op}: argument '{arg}' has dtype {dtype}, which MPI cannot "
+                        f"carry (use a bool, integer, float or complex array)")
     try:
         x = jnp.asarray(x)
-    except TypeError as err:
-        raise TypeError(f"vjpmpi.{op}: argument '{arg}' must be an array, got {type(x).__name__}") from err
+    except (TypeError, ValueError, OverflowError) as err:
+        raise TypeError(f"vjpmpi.{op}: argument '{arg}' must be an array or convertible to one, "
+                        f"got {type(x).__name__} ({err})") from err
     check_dtype(x.dtype, op, arg)
     return x
 

@@ -11,6 +11,7 @@
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
 #include "vjpmpi_mpi.h"
+#include "vjpmpi_runtime.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -64,48 +65,24 @@ Call MakeCall(const char* name, int64_t comm, int64_t red, int64_t root, int64_t
   return c;
 }
 
-// Counts kernel entries that found another vjpmpi kernel of this process still
-// running: with a correct token chain this stays 0 (checked by the tests).
-std::atomic<int64_t> in_flight{0};
-std::atomic<int64_t> overlaps{0};
-std::atomic<int64_t> calls{0};
-
-// Opt-in trace (VJPMPI_TRACE=1 at import): the sequence of collectives this
-// process ran, to compare across ranks.
-const bool tracing = [] {
-  const char* v = std::getenv("VJPMPI_TRACE");
-  return v != nullptr && v[0] != '\0' && v[0] != '0';
-}();
-std::mutex trace_mutex;
-std::vector<std::string> trace_log;
-
-void Trace(const char* name) {
-  if (!tracing) return;
-  std::lock_guard<std::mutex> lock(trace_mutex);
-  trace_log.emplace_back(name);
-}
-
-struct InFlight {
-  explicit InFlight(const char* name) {
-    Trace(name);
-    calls.fetch_add(1, std::memory_order_relaxed);
-    if (in_flight.fetch_add(1, std::memory_order_acq_rel) != 0) {
-      overlaps.fetch_add(1, std::memory_order_relaxed);
-    }
+// Everything a handler does around its MPI call: guard (trace, overlap
+// counter, watchdog slot), finalized check, opt-in mismatch check.
+template <typename Body>
+ffi::Error Run(const Call& c, int64_t site, bool collective, Body body) {
+  Guard guard(c.op, site, c.comm);
+  std::string e = CheckAlive(c.op);
+  if (e.empty() && collective && check_enabled.load(std::memory_order_relaxed)) {
+    e = CheckCollective(c, site);
   }
-  ~InFlight() { in_flight.fetch_sub(1, std::memory_order_acq_rel); }
-};
-
-ffi::Error Finish(const std::string& err) {
-  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal(err);
+  if (e.empty()) e = body();
+  return e.empty() ? ffi::Error::Success() : ffi::Error::Internal(e);
 }
 
 // (x, token) -> (y, token): every collective with one array in and one out.
 template <Impl F, Count N>
 ffi::Error Unary(const char* name, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                  int64_t comm, int64_t red, int64_t root, int64_t peer, int64_t peer2,
-                 int64_t tag, int64_t tag2, int64_t status) {
-  InFlight guard(name);
+                 int64_t tag, int64_t tag2, int64_t status, int64_t site) {
   Call c = MakeCall(name, comm, red, root, peer, peer2, tag, tag2, status);
   c.kind = KindOf(x.element_type());
   if (c.kind == Kind::kUnsupported) return Unsupported(name);
@@ -114,12 +91,14 @@ ffi::Error Unary(const char* name, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer>
   } else if (N == Count::kOut) {
     c.count = y->element_count();
   } else {
+    std::string e = CheckAlive(name);
+    if (!e.empty()) return ffi::Error::Internal(e);
     int size = 1;
     MPI_Comm_size(c.comm, &size);
     c.count = x.element_count() / static_cast<size_t>(size);
   }
   c.count2 = c.count;
-  return Finish(F(c, x.untyped_data(), y->untyped_data()));
+  return Run(c, site, F != Recv, [&] { return F(c, x.untyped_data(), y->untyped_data()); });
 }
 
 #define VJPMPI_ATTRS                                                         \
@@ -130,14 +109,15 @@ ffi::Error Unary(const char* name, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer>
       .Attr<int64_t>("peer2")  /* source rank */                            \
       .Attr<int64_t>("tag")    /* send tag */                               \
       .Attr<int64_t>("tag2")   /* receive tag */                            \
-      .Attr<int64_t>("status") /* address of an MPI_Status to fill, or 0 */
+      .Attr<int64_t>("status") /* address of an MPI_Status to fill, or 0 */ \
+      .Attr<int64_t>("site")   /* call-site id (check/timeout), or 0 */
 
 #define VJPMPI_UNARY(Symbol, name, F, N)                                              \
   ffi::Error Symbol##Impl(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, \
                           ffi::Result<ffi::Token>, int64_t comm, int64_t red,           \
                           int64_t root, int64_t peer, int64_t peer2, int64_t tag,       \
-                          int64_t tag2, int64_t status) {                               \
-    return Unary<F, N>(name, x, y, comm, red, root, peer, peer2, tag, tag2, status);    \
+                          int64_t tag2, int64_t status, int64_t site) {                 \
+    return Unary<F, N>(name, x, y, comm, red, root, peer, peer2, tag, tag2, status, site); \
   }                                                                                     \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(Symbol, Symbol##Impl,                                   \
                                 ffi::Ffi::Bind()                                        \
@@ -162,13 +142,12 @@ VJPMPI_UNARY(kRecv, "recv", Recv, Count::kOut)
 // (x, token) -> token
 ffi::Error SendImpl(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::Token>, int64_t comm,
                     int64_t red, int64_t root, int64_t peer, int64_t peer2, int64_t tag,
-                    int64_t tag2, int64_t status) {
-  InFlight guard("send");
+                    int64_t tag2, int64_t status, int64_t site) {
   Call c = MakeCall("send", comm, red, root, peer, peer2, tag, tag2, status);
   c.kind = KindOf(x.element_type());
   if (c.kind == Kind::kUnsupported) return Unsupported("send");
   c.count = c.count2 = x.element_count();
-  return Finish(Send(c, x.untyped_data(), nullptr));
+  return Run(c, site, false, [&] { return Send(c, x.untyped_data(), nullptr); });
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kSend, SendImpl,
                               ffi::Ffi::Bind()
@@ -181,8 +160,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kSend, SendImpl,
 ffi::Error SendrecvImpl(ffi::AnyBuffer x, ffi::AnyBuffer, ffi::Token,
                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t comm,
                         int64_t red, int64_t root, int64_t peer, int64_t peer2, int64_t tag,
-                        int64_t tag2, int64_t status) {
-  InFlight guard("sendrecv");
+                        int64_t tag2, int64_t status, int64_t site) {
   Call c = MakeCall("sendrecv", comm, red, root, peer, peer2, tag, tag2, status);
   c.kind = KindOf(x.element_type());
   if (c.kind == Kind::kUnsupported || KindOf(y->element_type()) != c.kind) {
@@ -190,7 +168,7 @@ ffi::Error SendrecvImpl(ffi::AnyBuffer x, ffi::AnyBuffer, ffi::Token,
   }
   c.count = x.element_count();
   c.count2 = y->element_count();
-  return Finish(Sendrecv(c, x.untyped_data(), y->untyped_data()));
+  return Run(c, site, false, [&] { return Sendrecv(c, x.untyped_data(), y->untyped_data()); });
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kSendrecv, SendrecvImpl,
                               ffi::Ffi::Bind()
@@ -204,11 +182,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kSendrecv, SendrecvImpl,
 // token -> token
 ffi::Error BarrierImpl(ffi::Token, ffi::Result<ffi::Token>, int64_t comm, int64_t red,
                        int64_t root, int64_t peer, int64_t peer2, int64_t tag, int64_t tag2,
-                       int64_t status) {
-  InFlight guard("barrier");
+                       int64_t status, int64_t site) {
   Call c = MakeCall("barrier", comm, red, root, peer, peer2, tag, tag2, status);
   c.kind = Kind::kU8;
-  return Finish(Barrier(c, nullptr, nullptr));
+  return Run(c, site, true, [&] { return Barrier(c, nullptr, nullptr); });
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier, BarrierImpl,
                               ffi::Ffi::Bind()
@@ -257,6 +234,9 @@ NB_MODULE(_vjpmpi_cpu, m) {
   // The MPI library these kernels resolved at load time (checked at import
   // against the one mpi4py loaded).
   m.def("library_version", &LibraryVersion);
+  // configure(check, timeout_seconds): the opt-in mismatch check and watchdog.
+  m.def("configure", &Configure);
+  m.def("register_site", &RegisterSite);
   m.def("trace_enabled", []() { return tracing; });
   // Returns and clears the recorded sequence of collectives.
   m.def("take_trace", []() {
