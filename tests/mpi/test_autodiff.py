@@ -139,7 +139,8 @@ def test_max_ties_split_equally():
 
 
 def test_prod_gradient_with_zeros():
-    vals = np.array([[2.0, 0.0, 3.0], [0.0, 0.0, 5.0], [4.0, 7.0, 0.5], [1.5, 2.0, 2.0]])[:size]
+    rows = np.array([[2.0, 0.0, 3.0], [0.0, 0.0, 5.0], [4.0, 7.0, 0.5], [1.5, 2.0, 2.0]])
+    vals = np.array([rows[r] if r < 4 else [1.25, 0.5 + r, 1.0 - 0.1 * r] for r in range(size)])
     x = jnp.asarray(vals[rank])
     g = jax.grad(lambda v: jnp.sum(vjpmpi.allreduce(v, MPI.PROD)))(x)
     others = np.prod(np.delete(vals, rank, axis=0), axis=0)

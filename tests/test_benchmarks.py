@@ -1,0 +1,41 @@
+"""Smoke run of the benchmark suite (tiny sizes): every figure is produced, none is judged."""
+
+import json
+import math
+import subprocess
+import sys
+
+from _mpirun import ROOT
+
+
+def numbers(tree, path=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from numbers(v, f"{path}.{k}")
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from numbers(v, f"{path}[{i}]")
+    elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
+        yield path, tree
+
+
+def test_benchmark_suite_smoke(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-5000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    main, gloo = res["main"], res["gloo"]
+    assert gloo is not None, res["gloo_why"]
+    assert main["mpi4jax"] is not None or main["mpi4jax_why"]
+    for part in (main, gloo):
+        for path, value in numbers(part):
+            assert math.isfinite(value) and value >= 0, (path, value)
+    # every latency size, every bandwidth op, every backward op was timed
+    assert [r["elements"] for r in main["latency"]] == [1, 16, 256]
+    assert {r["op"] for r in main["bandwidth"]} == {"allreduce", "bcast", "allgather", "alltoall"}
+    assert len(main["backward"]) == 6 and all(r["fwd"] > 0 and r["vg"] > 0
+                                              for r in main["backward"])
+    assert all(r["floor"] > 0 and r["vjpmpi"] > 0 for r in main["bandwidth"])
+    text = (tmp_path / "results.md").read_text()
+    assert "## Targets:" in text and "| target | measured | met |" in text
+    assert (tmp_path / "results.png").stat().st_size > 10_000

@@ -1,0 +1,206 @@
+"""Failure modes that end a job: mismatch check, timeout watchdog, failing rank,
+use after MPI_Finalize, messages over 2**31 elements, 8 oversubscribed ranks.
+
+Each case runs its own program under mpiexec (with a hard timeout) and checks
+what the user sees and how fast the job ends.
+"""
+
+import re
+import textwrap
+import time
+
+import pytest
+
+from _mpirun import mpirun
+
+HEADER = """
+import sys, time
+import jax, jax.numpy as jnp, numpy as np
+from mpi4py import MPI
+import vjpmpi
+rank = MPI.COMM_WORLD.rank
+
+
+def say(*parts):  # one write per line: ranks' lines never interleave
+    sys.stdout.write(" ".join(str(p) for p in parts) + "\\n")
+    sys.stdout.flush()
+"""
+
+
+def run_script(tmp_path, body, nprocs=2, timeout=120, env=None, argv=()):
+    script = tmp_path / "prog.py"
+    script.write_text(HEADER + textwrap.dedent(body))
+    t0 = time.monotonic()
+    run = mpirun(nprocs, [*argv, str(script)], timeout=timeout, env=env)
+    return run, time.monotonic() - t0
+
+
+CHECK = {"VJPMPI_CHECK": "1"}
+
+
+def report(run, needle):
+    """The lines of every rank's report that contain `needle`."""
+    return [ln for ln in run.output.splitlines() if needle in ln]
+
+
+def test_check_names_each_ranks_collective(tmp_path):
+    run, took = run_script(tmp_path, """
+        def f(x):
+            if rank == 0:
+                return vjpmpi.bcast(x, 0)
+            return vjpmpi.allreduce(x, MPI.SUM)
+        try:
+            jax.jit(f)(jnp.ones((10, 100), jnp.float32)).block_until_ready()
+        except Exception as e:
+            say(f"rank {rank} caught:", e)
+    """, env=CHECK, timeout=60)
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert len(report(run, "caught: ")) == 2, run.describe()  # every rank raises
+    assert "collective mismatch (VJPMPI_CHECK)" in run.output
+    assert re.search(r"rank 0: bcast\(root=0\) on float32\[10, 100\] at \S+prog.py:\d+ \(f\)",
+                     run.output), run.describe()
+    assert re.search(r"rank 1: allreduce\(SUM\) on float32\[10, 100\] at \S+prog.py:\d+ \(f\)",
+                     run.output), run.describe()
+    print(f"mismatch reported on both ranks, job done in {took:.1f} s")
+
+
+def test_check_catches_shape_and_root_differences(tmp_path):
+    run, _ = run_script(tmp_path, """
+        cases = {
+            "shape": lambda: vjpmpi.allreduce(jnp.ones(10 + rank), MPI.SUM),
+            "root": lambda: vjpmpi.bcast(jnp.ones(4), rank),
+            "op": lambda: vjpmpi.allreduce(jnp.ones(4), MPI.SUM if rank else MPI.MAX),
+            "dtype": lambda: vjpmpi.allgather(jnp.ones(4, jnp.float32 if rank else jnp.int32)),
+        }
+        for name, call in cases.items():
+            try:
+                call().block_until_ready()
+                say(f"rank {rank} {name}: no error")
+            except Exception as e:
+                say(f"rank {rank} {name}: mismatch={'collective mismatch' in str(e)}")
+        say(f"rank {rank} after:", vjpmpi.allreduce(jnp.ones(2), MPI.SUM))
+    """, env=CHECK, timeout=60)
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    for case in ("shape", "root", "op", "dtype"):
+        assert len(report(run, f"{case}: mismatch=True")) == 2, run.describe()
+    # after the reported mismatches the ranks are still in step
+    assert len(report(run, "after: [2. 2.]")) == 2, run.describe()
+
+
+def test_check_catches_forward_against_backward(tmp_path):
+    run, _ = run_script(tmp_path, """
+        def loss(x):
+            return jnp.sum(vjpmpi.bcast(x, 0) ** 2)
+        x = jnp.arange(4.0)
+        try:
+            if rank == 0:
+                jax.jit(jax.grad(loss))(x).block_until_ready()   # bcast, then reduce
+            else:
+                jax.jit(loss)(x).block_until_ready()             # bcast
+                jax.jit(loss)(x).block_until_ready()             # bcast: meets the reduce
+        except Exception as e:
+            say(f"rank {rank} caught:", e)
+    """, env=CHECK, timeout=60)
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert len(report(run, "caught: ")) == 2, run.describe()
+    assert re.search(r"rank 0: reduce\(SUM, root=0\) on float32\[4\] \[backward\] at", run.output)
+    assert re.search(r"rank 1: bcast\(root=0\) on float32\[4\] at", run.output)
+
+
+def test_check_passes_the_collective_and_autodiff_suites(tmp_path):
+    """No false alarms: every collective and backward pass with the check (and timeout) on."""
+    run = mpirun(2, ["-m", "pytest", "mpi/test_collectives.py", "mpi/test_autodiff.py", "-q",
+                     "-p", "no:cacheprovider", "-x"], timeout=900,
+                 env={**CHECK, "VJPMPI_TIMEOUT": "300"})
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert len(re.findall(r"\d+ passed", run.output)) == 2, run.describe()
+
+
+HANG = """
+    x = jnp.ones(1000, jnp.float32)
+    if rank == 0:
+        jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))(x).block_until_ready()
+    else:
+        time.sleep(300)   # never joins the allreduce
+"""
+
+
+def test_timeout_names_the_stuck_call_and_aborts(tmp_path):
+    run, took = run_script(tmp_path, HANG, env={"VJPMPI_TIMEOUT": "3"}, timeout=120)
+    assert not run.timed_out and run.returncode != 0, run.describe()
+    assert re.search(r"vjpmpi: timeout \(VJPMPI_TIMEOUT=3 s\): rank 0 of 2 has waited 3\.\d s "
+                     r"in allreduce\(SUM\) on float32\[1000\] at \S+prog.py:\d+", run.output), \
+        run.describe()
+    assert took < 60, f"job took {took:.1f} s to end"
+    print(f"timeout 3 s: job ended after {took:.1f} s")
+
+
+FAIL = """
+    x = jnp.ones(100)
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))(x).block_until_ready()
+"""
+
+
+def test_failing_rank_ends_job_with_mpi4py_launcher(tmp_path):
+    run, took = run_script(tmp_path, FAIL, argv=["-m", "mpi4py"], timeout=120)
+    assert not run.timed_out and run.returncode != 0, run.describe()
+    assert "ValueError: boom on rank 1" in run.output and "Traceback" in run.output
+    assert took < 60, f"job took {took:.1f} s to end"
+    print(f"python -m mpi4py: job ended {took:.1f} s after start")
+
+
+def test_failing_rank_ends_job_with_timeout(tmp_path):
+    run, took = run_script(tmp_path, FAIL, env={"VJPMPI_TIMEOUT": "5"}, timeout=120)
+    assert not run.timed_out and run.returncode != 0, run.describe()
+    assert "ValueError: boom on rank 1" in run.output
+    assert "vjpmpi: timeout" in run.output, run.describe()
+    print(f"plain python + VJPMPI_TIMEOUT=5: job ended {took:.1f} s after start")
+
+
+def test_use_after_finalize_is_an_error(tmp_path):
+    run, _ = run_script(tmp_path, """
+        f = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
+        x = jnp.ones(3)
+        f(x).block_until_ready()
+        MPI.Finalize()
+        for name, call in [("compiled", lambda: f(x)),
+                           ("eager", lambda: vjpmpi.bcast(x, 0)),
+                           ("new trace", lambda: jax.jit(lambda v: vjpmpi.scan(v, "SUM"))(x))]:
+            try:
+                call().block_until_ready()
+                say(name, "no error")
+            except Exception as e:
+                say(name, "error:", type(e).__name__, str(e).splitlines()[0])
+    """, timeout=60)
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    for name in ("compiled", "eager", "new trace"):
+        lines = report(run, f"{name} error:")
+        assert len(lines) == 2 and all("finalized" in ln for ln in lines), run.describe()
+
+
+def test_message_over_2_gib(tmp_path):
+    """A uint8 array of 2**31 + 64 elements: bcast and allreduce use MPI-4 large counts."""
+    run, took = run_script(tmp_path, """
+        jax.config.update("jax_enable_x64", True)  # indices past 2**31
+        n = 2**31 + 64
+        idx = np.array([0, 1, 255, 2**31 - 1, 2**31, 2**31 + 1, n - 1])
+        make = jax.jit(lambda: jax.lax.iota(jnp.uint8, n) * (rank == 0))   # i % 256 on root
+        y = jax.jit(lambda v: vjpmpi.bcast(v, 0), donate_argnums=0)(make())
+        assert (np.asarray(y[idx]) == idx % 256).all(), np.asarray(y[idx])
+        z = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM), donate_argnums=0)(y)
+        assert (np.asarray(z[idx]) == (idx * MPI.COMM_WORLD.size) % 256).all()
+        say(f"rank {rank} ok")
+    """, timeout=600)
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert len(report(run, " ok")) == 2, run.describe()
+    print(f"2 GiB + 64 B bcast and allreduce on 2 ranks: {took:.0f} s")
+
+
+@pytest.mark.parametrize("nprocs", [8])
+def test_autodiff_suite_on_8_oversubscribed_ranks(nprocs):
+    run = mpirun(nprocs, ["-m", "pytest", "mpi/test_autodiff.py", "mpi/test_reliability.py",
+                          "-q", "-p", "no:cacheprovider", "-x"], timeout=1200)
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert len(re.findall(r"\d+ passed", run.output)) == nprocs, run.describe()
