@@ -1,32 +1,35 @@
-"""vjpmpi benchmark suite: one run, every figure next to its reference.
+"""The measuring half of the benchmark suite; run it through `benchmarks/run.py`.
 
-    mpiexec -n 2 python benchmarks/suite.py [--quick]
+    mpiexec -n 2 python benchmarks/suite.py --part main --json out.json [--quick]
+    mpiexec -n 2 python benchmarks/suite.py --part gloo --json gloo.json [--quick]
+    VJPMPI_CHECK=1 mpiexec -n 2 python benchmarks/suite.py --part check --json c.json
 
-Each figure is the median of several repetitions after warm-up, timed on rank 0
-after a barrier. Writes benchmarks/results/results.md (tables) and results.png.
-Competitors in the same run: mpi4py's buffer API on preallocated NumPy arrays
-(the floor) and an `io_callback(ordered=True)` + mpi4py implementation (the "no
-compiled kernel" alternative); mpi4jax and JAX's gloo psum are reported as not
-run, with the reason, when they are not available.
+`main` times vjpmpi, mpi4py's buffer API on preallocated NumPy arrays (the floor),
+an `io_callback(ordered=True)` + mpi4py implementation and, when it is installed,
+mpi4jax, all in one process so ratios are stable. `gloo` times JAX's own
+multi-process CPU collectives (`jax.distributed` + gloo + `psum` under
+`shard_map`); it runs in a job of its own because `jax.distributed` must be set
+up before JAX's CPU client exists. `check` repeats a few of `main`'s figures with
+the mismatch check on (VJPMPI_CHECK=1). Every figure is the median of several
+repetitions after warm-up, timed on rank 0 after a barrier. Rank 0 writes the
+figures as JSON; `run.py` turns them into the table, the plot and the targets.
 """
 
-import vjpmpi  # first: vjpmpi sets JAX's CPU dispatch up before any array exists
-
 import argparse
+import json
 import os
+import resource
+import socket
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 from mpi4py import MPI
-
-import vjpmpi.nn as vnn
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.rank, COMM.size
 MIB = 1 << 20
+LAT_ELEMS = (1, 16, 256)
+BW_OPS = ("allreduce", "bcast", "allgather", "alltoall")
 
 
 def median(fn, per_call, reps):
@@ -39,231 +42,376 @@ def median(fn, per_call, reps):
     return float(np.median(times))
 
 
-def loop(op, n):
+def repeat(op, n):
+    def run():
+        for _ in range(n):
+            op()
+    return run
+
+
+def fori(op, n):
     """A jitted fori_loop of n dependent calls of `op` (output feeds the next input)."""
+    import jax
+
     return jax.jit(lambda v: jax.lax.fori_loop(0, n, lambda i, c: op(c), v))
 
 
-# ----------------------------------------------------------------- latency --
-def latency(n_ops, reps):
-    rows = []
-    for elems in (1, 16, 256):
+def timed(f, x, per_call, reps):
+    jax_block(f(x))  # warm-up (compiles)
+    return median(lambda: jax_block(f(x)), per_call, reps)
+
+
+def jax_block(tree):
+    import jax
+
+    return jax.block_until_ready(tree)
+
+
+def marginal(make_loop, x, iters, reps):
+    """Per-op cost inside a jitted loop: (T(3 iters) - T(iters)) / (2 iters).
+
+    Cancels what a call pays once (dispatch, the copy of a non-donated input),
+    which the floor's plain Python loop does not pay either.
+    """
+    one, three = loops(make_loop, x, iters)
+    t = interleaved({"1": one, "3": three}, reps)
+    return max(t["3"] - t["1"], 1e-9) / (2 * iters)
+
+
+def interleaved(cases, reps):
+    """Median seconds of each zero-argument callable, timed in turn within each
+    repetition so that every case sees the same machine noise."""
+    times = {k: [] for k in cases}
+    for _ in range(reps):
+        for k, fn in cases.items():
+            COMM.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def loops(make_loop, x, iters):
+    """Warm, zero-argument runs of the N- and 3N-op loops (for `interleaved`)."""
+    f1, f3 = make_loop(iters), make_loop(3 * iters)
+    jax_block(f1(x))
+    jax_block(f3(x))
+    return (lambda: jax_block(f1(x))), (lambda: jax_block(f3(x)))
+
+
+def rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class CompileCounter:
+    """Counts XLA backend compilations (JAX's monitoring event)."""
+
+    def __init__(self):
+        import jax
+
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+
+    def _on(self, event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+def bw_sizes(quick):
+    return [1] if quick else [1, 16, 128]
+
+
+# ------------------------------------------------------------------- floors --
+def floor_ops(n):
+    """mpi4py buffer-API loops doing the same work as one iteration of the jitted loops."""
+    x = np.ones(n, np.float32)
+    y = np.empty_like(x)
+    g = np.empty(n * SIZE, np.float32)
+    return {
+        "allreduce": lambda: COMM.Allreduce(x, y, op=MPI.SUM),
+        "bcast": lambda: COMM.Bcast(x, root=0),
+        # the jitted loop feeds its own row of the gathered array to the next call
+        "allgather": lambda: (COMM.Allgather(x, g), np.copyto(x, g[RANK * n:(RANK + 1) * n])),
+        "alltoall": lambda: COMM.Alltoall(x, y),
+    }
+
+
+# ---------------------------------------------------------------------- main --
+def main_part(quick):
+    import vjpmpi  # first: vjpmpi sets JAX's CPU dispatch up before any array exists
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import io_callback
+
+    import vjpmpi.nn as vnn
+
+    try:
+        import mpi4jax
+        m4j_why = None
+    except ImportError as err:
+        mpi4jax, m4j_why = None, f"not installed ({err}); see benchmarks/README.md"
+
+    reps = 3 if quick else 9
+    n_ops = 100 if quick else 2000
+    out = {"ranks": SIZE, "mpi": MPI.Get_library_version().splitlines()[0],
+           "jax": jax.__version__, "mpi4jax": getattr(mpi4jax, "__version__", None),
+           "mpi4jax_why": m4j_why, "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
+    counter = CompileCounter()
+
+    # latency: allreduce(SUM), small float32 arrays
+    half = 1.0 / SIZE
+    lat = []
+    for elems in LAT_ELEMS:
         x_np = np.ones(elems, np.float32)
         y_np = np.empty_like(x_np)
         x = jnp.asarray(x_np)
 
-        def floor():
-            for _ in range(n_ops):
-                COMM.Allreduce(x_np, y_np, op=MPI.SUM)
-
-        scale = 1.0 / SIZE
-        f = loop(lambda c: vjpmpi.allreduce(c, MPI.SUM) * scale, n_ops)
-        one = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
-
         def cb_allreduce(v):
-            out = np.empty_like(v)
-            COMM.Allreduce(np.asarray(v), out, op=MPI.SUM)
-            return out
+            res = np.empty_like(v)
+            COMM.Allreduce(np.asarray(v), res, op=MPI.SUM)
+            return res
 
-        cb = loop(lambda c: io_callback(cb_allreduce, jax.ShapeDtypeStruct(c.shape, c.dtype), c,
-                                        ordered=True) * scale, n_ops)
-        for g in (f, cb):
-            g(x).block_until_ready()
+        row = {"elements": elems,
+               "floor": median(repeat(lambda: COMM.Allreduce(x_np, y_np, op=MPI.SUM), n_ops),
+                               n_ops, reps),
+               "fori": timed(fori(lambda c: vjpmpi.allreduce(c, MPI.SUM) * half, n_ops), x,
+                             n_ops, reps),
+               "io_callback": timed(fori(lambda c: io_callback(
+                   cb_allreduce, jax.ShapeDtypeStruct(c.shape, c.dtype), c, ordered=True) * half,
+                   n_ops), x, n_ops, reps)}
+        one = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
         one(x).block_until_ready()
+        row["jit_call"] = median(repeat(lambda: one(x).block_until_ready(), n_ops), n_ops, reps)
+        # eager calls with fresh MPI.Op / communicator objects every time
+        vjpmpi.allreduce(x, MPI.SUM).block_until_ready()
+        before = counter.count
+        row["eager"] = median(repeat(lambda: vjpmpi.allreduce(
+            x, MPI.Op(MPI.SUM)).block_until_ready(), n_ops), n_ops, reps)
+        row["eager_recompiles"] = counter.count - before
+        if mpi4jax is not None:
+            row["mpi4jax_fori"] = timed(fori(lambda c: mpi4jax.allreduce(c, op=MPI.SUM) * half,
+                                             n_ops), x, n_ops, reps)
+            m_one = jax.jit(lambda v: mpi4jax.allreduce(v, op=MPI.SUM))
+            m_one(x).block_until_ready()
+            k = max(n_ops // 10, 10)
+            row["mpi4jax_jit_call"] = median(repeat(lambda: m_one(x).block_until_ready(), k),
+                                             k, reps)
+        lat.append(row)
+    out["latency"] = lat
 
-        def many(g):
-            def run():
-                for _ in range(n_ops):
-                    y = g(x)
-                y.block_until_ready()
-            return run
-
-        t_floor = median(floor, n_ops, reps)
-        rows.append({
-            "elements": elems,
-            "mpi4py floor (us)": 1e6 * t_floor,
-            "vjpmpi fori_loop (us)": 1e6 * median(lambda: f(x).block_until_ready(), n_ops, reps),
-            "vjpmpi jit call (us)": 1e6 * median(many(one), n_ops, reps),
-            "vjpmpi eager (us)": 1e6 * median(many(lambda v: vjpmpi.allreduce(v, MPI.SUM)),
-                                               n_ops, reps),
-            "io_callback fori_loop (us)": 1e6 * median(lambda: cb(x).block_until_ready(), n_ops,
-                                                       reps),
-        })
-        rows[-1]["fori / floor"] = rows[-1]["vjpmpi fori_loop (us)"] / rows[-1]["mpi4py floor (us)"]
-    # bcast and a sendrecv ring, small messages
+    # eager recompilation and memory with fresh communicator objects
     x = jnp.ones(16, jnp.float32)
+    vjpmpi.allreduce(x, MPI.SUM, comm=MPI.Comm(COMM)).block_until_ready()
+    calls = 50 if quick else 500
+    before, rss0, t0 = counter.count, rss_mib(), time.perf_counter()
+    for _ in range(calls):
+        vjpmpi.allreduce(x, MPI.Op(MPI.SUM), comm=MPI.Comm(COMM)).block_until_ready()
+    out["eager_fresh"] = {"calls": calls, "recompiles": counter.count - before,
+                          "rss_growth_mib": rss_mib() - rss0,
+                          "per_call": (time.perf_counter() - t0) / calls}
+    if mpi4jax is not None:
+        calls_m = 5 if quick else 20
+        mpi4jax.allreduce(x, op=MPI.SUM).block_until_ready()
+        before, rss0, t0 = counter.count, rss_mib(), time.perf_counter()
+        for _ in range(calls_m):
+            mpi4jax.allreduce(x, op=MPI.SUM).block_until_ready()
+        out["mpi4jax_eager"] = {"calls": calls_m, "recompiles": counter.count - before,
+                                "rss_growth_mib": rss_mib() - rss0,
+                                "per_call": (time.perf_counter() - t0) / calls_m}
+
+    # other small ops
     nxt, prv = (RANK + 1) % SIZE, (RANK - 1) % SIZE
-    extra = {
-        "bcast fori_loop (us)": loop(lambda c: vjpmpi.bcast(c, 0), n_ops),
-        "sendrecv ring fori_loop (us)": loop(
-            lambda c: vjpmpi.sendrecv(c, c, prv, nxt, sendtag=0, recvtag=0), n_ops),
+    out["small_ops"] = {
+        "bcast": timed(fori(lambda c: vjpmpi.bcast(c, 0), n_ops), x, n_ops, reps),
+        "sendrecv ring": timed(fori(lambda c: vjpmpi.sendrecv(c, c, prv, nxt, sendtag=0,
+                                                              recvtag=0), n_ops), x, n_ops, reps),
     }
-    others = {}
-    for name, g in extra.items():
-        g(x).block_until_ready()
-        others[name] = 1e6 * median(lambda: g(x).block_until_ready(), n_ops, reps)
-    return rows, others
 
-
-# --------------------------------------------------------------- bandwidth --
-def bandwidth(sizes_mib, iters, reps):
-    rows = []
-    for mib in sizes_mib:
+    # bandwidth: jitted fori_loop of dependent ops vs the floor doing the same work
+    iters = 5 if quick else 20
+    bw = []
+    for mib in bw_sizes(quick):
         n = mib * MIB // 4
         n -= n % SIZE
-        x_np = np.ones(n, np.float32)
-        y_np = np.empty_like(x_np)
-        g_np = np.empty(n * SIZE, np.float32)
-        x = jnp.asarray(x_np)
-        scale = 1.0 / SIZE
-        cases = {
-            "allreduce": (lambda: COMM.Allreduce(x_np, y_np, op=MPI.SUM),
-                          loop(lambda c: vjpmpi.allreduce(c, MPI.SUM) * scale, iters)),
-            "bcast": (lambda: COMM.Bcast(x_np, root=0), loop(lambda c: vjpmpi.bcast(c, 0), iters)),
-            "allgather": (lambda: COMM.Allgather(x_np, g_np),
-                          loop(lambda c: vjpmpi.allgather(c)[RANK], iters)),
-            "alltoall": (lambda: COMM.Alltoall(x_np, y_np),
-                         loop(lambda c: vjpmpi.alltoall(c.reshape(SIZE, -1)).reshape(-1), iters)),
-        }
-        for name, (floor_op, f) in cases.items():
-            f(x).block_until_ready()
+        x = jnp.ones(n, jnp.float32)
+        x2 = x.reshape(SIZE, -1)  # alltoall keeps its rank axis in the loop carry
+        vj = {"allreduce": (lambda c: vjpmpi.allreduce(c, MPI.SUM), x),
+              "bcast": (lambda c: vjpmpi.bcast(c, 0), x),
+              "allgather": (lambda c: vjpmpi.allgather(c)[RANK], x),
+              "alltoall": (lambda c: vjpmpi.alltoall(c), x2)}
+        m4 = {"allreduce": lambda c: mpi4jax.allreduce(c, op=MPI.SUM),
+              "bcast": lambda c: mpi4jax.bcast(c, 0),
+              "allgather": lambda c: mpi4jax.allgather(c)[RANK],
+              "alltoall": lambda c: mpi4jax.alltoall(c)}
+        floors = floor_ops(n)
+        for op in BW_OPS:
+            fn, arg = vj[op]
+            cases = {"floor": repeat(floors[op], iters)}
+            cases["vjpmpi1"], cases["vjpmpi3"] = loops(lambda k, fn=fn: fori(fn, k), arg, iters)
+            if mpi4jax is not None:
+                cases["mpi4jax1"], cases["mpi4jax3"] = loops(lambda k, op=op: fori(m4[op], k),
+                                                             arg, iters)
+            t = interleaved(cases, reps)
+            row = {"op": op, "MiB": mib, "floor": t["floor"] / iters,
+                   "vjpmpi": max(t["vjpmpi3"] - t["vjpmpi1"], 1e-9) / (2 * iters)}
+            if mpi4jax is not None:
+                row["mpi4jax"] = max(t["mpi4jax3"] - t["mpi4jax1"], 1e-9) / (2 * iters)
+            bw.append(row)
+    out["bandwidth"] = bw
 
-            def floor_loop(op=floor_op):
-                for _ in range(iters):
-                    op()
-
-            t_floor = median(floor_loop, iters, reps)
-            t = median(lambda f=f: f(x).block_until_ready(), iters, reps)
-            rows.append({"op": name, "MiB": mib, "mpi4py (ms)": 1e3 * t_floor,
-                         "vjpmpi (ms)": 1e3 * t, "vjpmpi GB/s": mib * MIB / t / 1e9,
-                         "vjpmpi / mpi4py": t / t_floor})
-    return rows
-
-
-# ---------------------------------------------------------- backward cost --
-def backward_cost(reps):
+    # backward cost: jit(value_and_grad(f)) / jit(f) for 8 chained 1 MiB collectives,
+    # joined by a cheap scaling so that the collectives, not elementwise math, dominate
     n = MIB // 4
     x = jnp.ones(n, jnp.float32) * (RANK + 1)
-    nxt, prv = (RANK + 1) % SIZE, (RANK - 1) % SIZE
-    ops = {
+    chain = {
         "allreduce": lambda c: vjpmpi.allreduce(c, MPI.SUM) / SIZE,
         "bcast": lambda c: vjpmpi.bcast(c, 0),
-        "sendrecv": lambda c: vjpmpi.sendrecv(c, c, prv, nxt, sendtag=0, recvtag=0),
+        "allgather": lambda c: vjpmpi.allgather(c)[RANK],
         "alltoall": lambda c: vjpmpi.alltoall(c.reshape(SIZE, -1)).reshape(-1),
+        "sendrecv": lambda c: vjpmpi.sendrecv(c, c, prv, nxt, sendtag=0, recvtag=0),
         "scan": lambda c: vjpmpi.scan(c, MPI.SUM) / SIZE,
     }
-    rows = []
-    for name, op in ops.items():
+    # the same collectives and their adjoints with mpi4py: the ideal backward/forward ratio
+    a_np, b_np = np.ones(n, np.float32), np.empty(n, np.float32)
+    g_np = np.empty(n * SIZE, np.float32)
+    allreduce_np = lambda: COMM.Allreduce(a_np, b_np, op=MPI.SUM)  # noqa: E731
+    alltoall_np = lambda: COMM.Alltoall(a_np, b_np)  # noqa: E731
+    sendrecv_np = lambda: COMM.Sendrecv(a_np, nxt, 0, b_np, prv, 0)  # noqa: E731
+    mpi_pairs = {
+        "allreduce": (allreduce_np, [allreduce_np]),
+        "bcast": (lambda: COMM.Bcast(a_np, 0), [lambda: COMM.Reduce(a_np, b_np, MPI.SUM, 0)]),
+        "allgather": (lambda: COMM.Allgather(a_np, g_np),
+                      [lambda: COMM.Reduce_scatter_block(g_np, a_np, MPI.SUM)]),
+        "alltoall": (alltoall_np, [alltoall_np]),
+        "sendrecv": (sendrecv_np, [sendrecv_np]),
+        "scan": (lambda: COMM.Scan(a_np, b_np, MPI.SUM),
+                 [allreduce_np, lambda: COMM.Exscan(a_np, b_np, MPI.SUM)]),
+    }
+    bwd = []
+    for name, op in chain.items():
         def f(v, op=op):
             for _ in range(8):
-                v = jnp.sin(op(v))
+                v = op(v) * 0.5
             return jnp.sum(v)
 
-        fwd, bwd = jax.jit(f), jax.jit(jax.grad(f))
-        fwd(x).block_until_ready()
-        bwd(x).block_until_ready()
-        t_f = median(lambda: fwd(x).block_until_ready(), 1, reps)
-        t_b = median(lambda: bwd(x).block_until_ready(), 1, reps)
-        rows.append({"op (8 chained, 1 MiB)": name, "jit(f) (ms)": 1e3 * t_f,
-                     "jit(grad f) (ms)": 1e3 * t_b, "ratio": t_b / t_f})
-    return rows
+        fwd_op, adj_ops = mpi_pairs[name]
+        fwd, vg = jax.jit(f), jax.jit(jax.value_and_grad(f))
+        jax_block(fwd(x))
+        jax_block(vg(x))
+        cases = {"fwd": lambda fwd=fwd: jax_block(fwd(x)), "vg": lambda vg=vg: jax_block(vg(x)),
+                 "mpi_fwd": repeat(fwd_op, 8)}
+        cases.update({f"adj{i}": repeat(a, 8) for i, a in enumerate(adj_ops)})
+        t = interleaved(cases, 3 if quick else 31)
+        bwd.append({"op": name, "fwd": t["fwd"], "vg": t["vg"], "mpi_fwd": t["mpi_fwd"] / 8,
+                    "mpi_adj": sum(t[f"adj{i}"] for i in range(len(adj_ops))) / 8})
+    out["backward"] = bwd
 
-
-# ------------------------------------------------------- vmap and grad sync --
-def batching(reps):
+    # vmap batching and data-parallel gradient sync
     xs = jnp.ones((64, 256), jnp.float32)
-    vm = jax.jit(jax.vmap(lambda v: vjpmpi.allreduce(v, MPI.SUM)))
+    allred = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
+    out["vmap"] = {"vmap": timed(jax.jit(jax.vmap(lambda v: vjpmpi.allreduce(v, MPI.SUM))), xs,
+                                 1, reps),
+                   "one": timed(allred, xs.reshape(-1), 1, reps)}
+    # gradient sync: alone, and its marginal cost inside an SGD step (a step whose 100
+    # leaves are inputs and outputs pays ~3 us per leaf with or without communication)
+    grads = {f"w{i}": jnp.ones((32, 32), jnp.float32) for i in range(100)}
+    params = jax.tree.map(lambda g: g * 2, grads)
+    sgd = lambda p, g: jax.tree.map(lambda a, b: a - 0.1 * b, p, g)  # noqa: E731
+    reps_sync = 3 if quick else 31
+    flat = jnp.ones(100 * 32 * 32, jnp.float32)
+    progs = {
+        "sync": (jax.jit(vnn.allreduce_gradients), grads),
+        "no_comm": (jax.jit(lambda t: jax.tree.map(lambda g: g / SIZE, t)), grads),
+        "step_sync": (jax.jit(lambda g: sgd(params, vnn.allreduce_gradients(g))), grads),
+        "step_plain": (jax.jit(lambda g: sgd(params, jax.tree.map(lambda b: b / SIZE, g))), grads),
+        "one": (jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM) / SIZE), flat)}
+    for f, a in progs.values():
+        jax_block(f(a))
+    out["grad_sync"] = interleaved(
+        {k: (lambda f=f, a=a: jax_block(f(a))) for k, (f, a) in progs.items()}, reps_sync)
+    return out
+
+
+# --------------------------------------------------------------------- check --
+def check_part(quick):
+    """The figures `main` takes for the mismatch check's cost, run with VJPMPI_CHECK=1."""
+    import vjpmpi
+    import jax
+    import jax.numpy as jnp
+
+    assert vjpmpi._kernels.CHECK, "run with VJPMPI_CHECK=1"
+    reps = 3 if quick else 9
+    n_ops = 100 if quick else 2000
+    x = jnp.ones(16, jnp.float32)
     one = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
-    flat = xs.reshape(-1)
-    vm(xs).block_until_ready()
-    one(flat).block_until_ready()
-    t_vm = median(lambda: vm(xs).block_until_ready(), 1, reps)
-    t_one = median(lambda: one(flat).block_until_ready(), 1, reps)
-    leaves = {f"w{i}": jnp.ones((32, 32), jnp.float32) for i in range(100)}
-    sync = jax.jit(lambda t: vnn.allreduce_gradients(t))
-    cat = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM) / SIZE)
-    buf = jnp.ones(100 * 32 * 32, jnp.float32)
-    jax.block_until_ready(sync(leaves))
-    cat(buf).block_until_ready()
-    t_sync = median(lambda: jax.block_until_ready(sync(leaves)), 1, reps)
-    t_cat = median(lambda: cat(buf).block_until_ready(), 1, reps)
-    return [
-        {"case": "vmap of 64 allreduces (256 floats each)", "time (us)": 1e6 * t_vm,
-         "reference": "one allreduce of 64*256 floats", "reference (us)": 1e6 * t_one,
-         "ratio": t_vm / t_one},
-        {"case": "allreduce_gradients, 100 leaves of 32x32", "time (us)": 1e6 * t_sync,
-         "reference": "one allreduce of the concatenated buffer", "reference (us)": 1e6 * t_cat,
-         "ratio": t_sync / t_cat},
-    ]
+    one(x).block_until_ready()
+    mib = bw_sizes(quick)[-1] if quick else 16
+    big = jnp.ones(mib * MIB // 4, jnp.float32)
+    return {
+        "fori_16": timed(fori(lambda c: vjpmpi.allreduce(c, MPI.SUM) * (1.0 / SIZE), n_ops), x,
+                         n_ops, reps),
+        "jit_call_16": median(repeat(lambda: one(x).block_until_ready(), n_ops), n_ops, reps),
+        "MiB": mib,
+        "allreduce_big": marginal(lambda k: fori(lambda c: vjpmpi.allreduce(c, MPI.SUM), k), big,
+                                  5 if quick else 20, reps),
+    }
 
 
-def competitors():
-    notes = []
-    try:
-        import mpi4jax  # noqa: F401
+# ---------------------------------------------------------------------- gloo --
+def gloo_part(quick):
+    port = None
+    if RANK == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = COMM.bcast(port)
+    import jax
 
-        notes.append("mpi4jax: installed but not yet wired into this suite")
-    except ImportError:
-        notes.append("mpi4jax: not run — not installed in this environment (installing it "
-                     "into the benchmark environment is still to do)")
-    notes.append("JAX gloo psum (jax.distributed + shard_map): not run yet — needs a coordinator "
-                 "service per job; planned")
-    return notes
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                               num_processes=SIZE, process_id=RANK)
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    mesh = Mesh(np.array(jax.devices()), ("r",))
+    spec = NamedSharding(mesh, P("r"))
 
-def table(rows):
-    keys = list(rows[0])
-    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
+    def global_array(n):
+        local = jax.device_put(jnp.ones(n, jnp.float32), jax.local_devices()[0])
+        return jax.make_array_from_single_device_arrays((SIZE * n,), spec, [local])
 
+    def psum_loop(k):
+        body = lambda v: jax.lax.fori_loop(0, k, lambda i, c: jax.lax.psum(c, "r"), v)  # noqa
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("r"), out_specs=P("r"),
+                                     check_vma=False))
 
-def main(quick=False):
-    reps = 3 if quick else 7
-    lat, others = latency(200 if quick else 2000, reps)
-    bw = bandwidth([1] if quick else [1, 16, 128], 5 if quick else 20, reps)
-    bwd = backward_cost(reps)
-    bat = batching(reps)
-    if RANK != 0:
-        return
-    out = [f"# vjpmpi benchmarks ({SIZE} ranks, {MPI.Get_library_version().splitlines()[0]})",
-           "", "Medians of repeated runs after warm-up, timed on rank 0 after a barrier.", "",
-           "## Latency: allreduce(SUM) float32, per op", "", table(lat), "",
-           "Small-message latency of other ops (16 float32, jitted fori_loop, per op): " +
-           ", ".join(f"{k} {v:.2f}" for k, v in others.items()), "",
-           "## Bandwidth: jitted fori_loop of dependent ops, per op", "", table(bw), "",
-           "## Backward cost", "", table(bwd), "", "## Batching and gradient sync", "",
-           table(bat), "", "## Competitors", ""] + [f"- {n}" for n in competitors()]
-    os.makedirs("benchmarks/results", exist_ok=True)
-    with open("benchmarks/results/results.md", "w") as fh:
-        fh.write("\n".join(out) + "\n")
-    print("\n".join(out))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    e = [r["elements"] for r in lat]
-    for key in ("mpi4py floor (us)", "vjpmpi fori_loop (us)", "vjpmpi jit call (us)",
-                "vjpmpi eager (us)", "io_callback fori_loop (us)"):
-        axes[0].plot(e, [r[key] for r in lat], "o-", label=key.replace(" (us)", ""))
-    axes[0].set(xscale="log", yscale="log", xlabel="elements", ylabel="us per allreduce",
-                title="latency")
-    axes[0].legend(fontsize=8)
-    for op in ("allreduce", "bcast", "allgather", "alltoall"):
-        rs = [r for r in bw if r["op"] == op]
-        axes[1].plot([r["MiB"] for r in rs], [r["vjpmpi / mpi4py"] for r in rs], "o-", label=op)
-    axes[1].axhline(1.0, color="k", lw=0.5)
-    axes[1].set(xscale="log", xlabel="MiB", ylabel="vjpmpi time / mpi4py time",
-                title="bandwidth (jitted loop)")
-    axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig("benchmarks/results/results.png", dpi=100)
+    reps = 3
+    k = 20 if quick else 200
+    lat = []
+    for elems in LAT_ELEMS:
+        x = global_array(elems)
+        one = psum_loop(1)
+        one(x).block_until_ready()
+        lat.append({"elements": elems, "fori": timed(psum_loop(k), x, k, reps),
+                    "jit_call": median(repeat(lambda: one(x).block_until_ready(), k), k, reps)})
+    bw = []
+    iters = 2 if quick else 5
+    for mib in bw_sizes(quick):
+        x = global_array(mib * MIB // 4)
+        t1 = timed(psum_loop(iters), x, 1, reps)
+        t3 = timed(psum_loop(3 * iters), x, 1, reps)
+        bw.append({"op": "allreduce", "MiB": mib, "gloo": max(t3 - t1, 1e-9) / (2 * iters)})
+    return {"latency": lat, "bandwidth": bw}
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
+    parser.add_argument("--part", choices=("main", "gloo", "check"), default="main")
+    parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
-    main(parser.parse_args().quick)
+    args = parser.parse_args()
+    part = {"main": main_part, "gloo": gloo_part, "check": check_part}[args.part]
+    result = part(args.quick)
+    if RANK == 0:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
