@@ -194,6 +194,13 @@ def report(m, g, g_why):
                  [f"allreduce of {c['MiB']} MiB in a jitted loop (ms per op)",
                   ms(big["vjpmpi"]) if big else None, ms(c["allreduce_big"]),
                   c["allreduce_big"] / big["vjpmpi"] if big else None]]), ""]
+    if m.get("gpu"):
+        text += [f"## GPU buffers ({m['gpu']['device']}), jitted loop, per op", "",
+                 table(["mode", "op", "bytes", "time (us)", "GB/s"],
+                       [[r["mode"], r["op"], r["bytes"], us(r["time"]),
+                         r["bytes"] / r["time"] / 1e9] for r in m["gpu"]["rows"]]), ""]
+    elif m.get("gpu_why"):
+        text += ["## GPU buffers", "", f"Not run: {m['gpu_why']}", ""]
     text += ["## Competitors", "",
              f"- mpi4py {m.get('mpi4py', '')}: buffer API on preallocated NumPy arrays (floor).",
              "- io_callback(ordered=True) + mpi4py: latency table.",
@@ -247,6 +254,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--gpu", action="store_true", help="also time GPU buffers (CUDA)")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work:
@@ -258,7 +266,13 @@ def main():
                             env={"VJPMPI_CHECK": "1"})
         if c is None:
             sys.exit(f"benchmark of the mismatch check failed: {c_why}")
+        gpu = gpu_why = None
+        if args.gpu:
+            gpu, gpu_why = run_part("gpu", args.ranks, args.quick, 600, work,
+                                    env={"JAX_PLATFORMS": "cuda,cpu",
+                                         "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     m["check"] = c
+    m["gpu"], m["gpu_why"] = gpu, gpu_why
     import mpi4py
 
     m["mpi4py"] = mpi4py.__version__

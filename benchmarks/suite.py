@@ -10,7 +10,8 @@ mpi4jax, all in one process so ratios are stable. `gloo` times JAX's own
 multi-process CPU collectives (`jax.distributed` + gloo + `psum` under
 `shard_map`); it runs in a job of its own because `jax.distributed` must be set
 up before JAX's CPU client exists. `check` repeats a few of `main`'s figures with
-the mismatch check on (VJPMPI_CHECK=1). Every figure is the median of several
+the mismatch check on (VJPMPI_CHECK=1); `gpu` (with `run.py --gpu`) times GPU buffers in
+each CUDA mode. Every figure is the median of several
 repetitions after warm-up, timed on rank 0 after a barrier. Rank 0 writes the
 figures as JSON; `run.py` turns them into the table, the plot and the targets.
 """
@@ -357,6 +358,33 @@ def check_part(quick):
     }
 
 
+# ----------------------------------------------------------------------- gpu --
+def gpu_part(quick):
+    """GPU buffers: latency and bandwidth per CUDA mode (host-staged, CUDA-aware)."""
+    import vjpmpi
+    import jax
+    import jax.numpy as jnp
+
+    from vjpmpi import _kernels
+
+    dev = vjpmpi.local_device("gpu")
+    modes = ["0"] + (["1"] if _kernels.cuda.cuda_aware_query() == 1 else [])
+    reps, iters = (3, 5) if quick else (9, 20)
+    rows = []
+    for mode in modes:
+        _kernels.cuda.configure_cuda(mode)
+        name = vjpmpi.cuda_mode()
+        for mib in [0] + bw_sizes(quick):
+            n = 16 if mib == 0 else mib * MIB // 4
+            x = jax.device_put(jnp.ones(n, jnp.float32), dev)
+            for op, fn in (("allreduce", lambda c: vjpmpi.allreduce(c, MPI.SUM)),
+                           ("bcast", lambda c: vjpmpi.bcast(c, 0))):
+                k = 200 if mib == 0 else iters
+                rows.append({"mode": name, "op": op, "bytes": 4 * n,
+                             "time": marginal(lambda m, fn=fn: fori(fn, m), x, k, reps)})
+    return {"device": str(dev), "rows": rows}
+
+
 # ---------------------------------------------------------------------- gloo --
 def gloo_part(quick):
     port = None
@@ -406,11 +434,11 @@ def gloo_part(quick):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("main", "gloo", "check"), default="main")
+    parser.add_argument("--part", choices=("main", "gloo", "check", "gpu"), default="main")
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    part = {"main": main_part, "gloo": gloo_part, "check": check_part}[args.part]
+    part = {"main": main_part, "gloo": gloo_part, "check": check_part, "gpu": gpu_part}[args.part]
     result = part(args.quick)
     if RANK == 0:
         with open(args.json, "w") as fh:

@@ -1,14 +1,15 @@
 """Import-time checks, each in a fresh single-rank interpreter."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 from _mpirun import RANK_ENV, TESTS
 
 
 def python(code: str) -> subprocess.CompletedProcess:
-    import os
-
     return subprocess.run(
         [sys.executable, "-c", code], cwd=TESTS, env={**os.environ, **RANK_ENV},
         capture_output=True, text=True, timeout=300,
@@ -58,3 +59,34 @@ def test_import_sets_synchronous_dispatch():
         "import jax.numpy as jnp; jnp.ones(1)\n"
     )
     assert r.returncode == 0, r.stderr
+
+
+CUDA_HEADERS = Path("/usr/local/cuda/include/cuda_runtime_api.h")
+
+
+@pytest.mark.skipif(not CUDA_HEADERS.exists(), reason="no CUDA toolkit on this machine")
+def test_cuda_backend_is_built_and_registered():
+    """With a CUDA toolkit at build time the CUDA handlers are compiled and registered;
+    without a GPU they stage through host memory and say why CUDA-aware is off."""
+    r = python(
+        "from mpi4py import MPI\n"
+        "import vjpmpi\n"
+        "from vjpmpi import _kernels\n"
+        "assert _kernels.cuda is not None, 'CUDA backend not built'\n"
+        "assert sorted(_kernels.cuda.registrations()) == sorted(_kernels.cpu.registrations())\n"
+        "assert _kernels.cuda.library_version() == MPI.Get_library_version()\n"
+        "print(vjpmpi.cuda_mode(), _kernels.cuda.cuda_aware_query())\n"
+        "print(_kernels.cuda.configure_cuda('1') or 'no error')\n"
+    )
+    assert r.returncode == 0, r.stderr
+    mode, aware = r.stdout.splitlines()[0].split()
+    assert mode == ("cuda-aware" if aware == "1" else "host-staged")
+    if aware != "1":  # forcing CUDA-aware on an MPI without it: a clear error, not a crash
+        assert "VJPMPI_CUDA_AWARE=1, but this MPI" in r.stdout
+
+
+def test_bad_cuda_aware_setting_is_an_import_error():
+    r = subprocess.run(
+        [sys.executable, "-c", "import vjpmpi"], cwd=TESTS, capture_output=True, text=True,
+        env={**os.environ, **RANK_ENV, "VJPMPI_CUDA_AWARE": "yes"}, timeout=300)
+    assert r.returncode != 0 and "VJPMPI_CUDA_AWARE must be auto, 0 or 1" in r.stderr

@@ -37,6 +37,16 @@ if _ours.strip() != _theirs.strip():
 for _name, _capsule in cpu.registrations().items():
     jax.ffi.register_ffi_target(f"vjpmpi_{_name}", _capsule, platform="cpu")
 
+# The CUDA backend: built when the build machine had a CUDA toolkit.
+try:
+    from . import _vjpmpi_cuda as cuda
+except ImportError:
+    cuda = None
+if cuda is not None:
+    for _name, _capsule in cuda.registrations().items():
+        jax.ffi.register_ffi_target(f"vjpmpi_{_name}", _capsule, platform="CUDA")
+
+BACKENDS = [m for m in (cpu, cuda) if m is not None]
 STATUS_SIZE = cpu.status_size
 
 
@@ -56,8 +66,29 @@ def _env_timeout() -> float:
 # Opt-in diagnostics, read once at import (see README, "When things go wrong").
 CHECK = os.environ.get("VJPMPI_CHECK", "").strip() not in ("", "0")
 TIMEOUT = _env_timeout()
-cpu.configure(CHECK, TIMEOUT)
-register_site = cpu.register_site
+for _m in BACKENDS:
+    _m.configure(CHECK, TIMEOUT)
+
+# CUDA: "auto" (device pointers when MPI reports CUDA support), "0" (stage
+# through pinned host memory), "1" (require CUDA-aware MPI: an error at first use
+# if MPI does not report it, never a crash).
+CUDA_AWARE = os.environ.get("VJPMPI_CUDA_AWARE", "auto").strip().lower() or "auto"
+if CUDA_AWARE not in ("auto", "0", "1"):
+    raise ValueError(f"VJPMPI_CUDA_AWARE must be auto, 0 or 1, got {CUDA_AWARE!r}")
+if cuda is not None:
+    cuda.configure_cuda(CUDA_AWARE)
+
+
+def register_site(text: str) -> int:
+    """Register a call-site description with every backend; the same id in each."""
+    ids = {m.register_site(text) for m in BACKENDS}
+    assert len(ids) == 1, ids
+    return ids.pop()
+
+
+def cuda_mode() -> str | None:
+    """'host-staged' or 'cuda-aware' for GPU buffers; None without the CUDA backend."""
+    return None if cuda is None else cuda.cuda_mode()
 
 
 def take_trace() -> list[str]:

@@ -310,6 +310,8 @@ inline const char* KindName(Kind k) {
 // A collective call on host pointers; `count` is the element count of one
 // block (the whole local array for elementwise ops, one rank's block for the
 // gather/scatter family).  `send == recv` means in place.
+inline void HostCopy(void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); }
+
 struct Call {
   const char* op;
   MPI_Comm comm;
@@ -323,6 +325,10 @@ struct Call {
   int tag;
   int tag2;
   MPI_Status* status;
+  // Memory the buffers live in: host (default), or device memory handed to a
+  // CUDA-aware MPI, where local copies go through `copy` (cudaMemcpy).
+  void (*copy)(void* dst, const void* src, size_t bytes) = &HostCopy;
+  bool device = false;
 };
 
 inline int Rank(MPI_Comm c) { int r = 0; MPI_Comm_rank(c, &r); return r; }
@@ -344,7 +350,7 @@ inline std::string Reduce(const Call& c, const void* send, void* recv) {
   auto e = CountCheck(c.count, c.op, Half(c.kind));
   if (!e.empty()) return e;
   bool root = Rank(c.comm) == c.root;
-  if (!root && send != recv) std::memcpy(recv, send, c.count * ByteSize(c.kind));
+  if (!root && send != recv) c.copy(recv, send, c.count * ByteSize(c.kind));
   const void* s = (root && send == recv) ? MPI_IN_PLACE : send;
   void* r = root ? recv : nullptr;
   MPI_Datatype t = Datatype(c.kind);
@@ -356,7 +362,7 @@ inline std::string Reduce(const Call& c, const void* send, void* recv) {
 inline std::string Bcast(const Call& c, const void* send, void* recv) {
   auto e = CountCheck(c.count, c.op);
   if (!e.empty()) return e;
-  if (send != recv && Rank(c.comm) == c.root) std::memcpy(recv, send, c.count * ByteSize(c.kind));
+  if (send != recv && Rank(c.comm) == c.root) c.copy(recv, send, c.count * ByteSize(c.kind));
   MPI_Datatype t = Datatype(c.kind);
   return Check(VJPMPI_BY_COUNT(c.count, MPI_Bcast, recv, n, t, c.root, c.comm), c.op,
                "MPI_Bcast");
@@ -375,7 +381,7 @@ inline std::string Gather(const Call& c, const void* send, void* recv) {
   if (!e.empty()) return e;
   MPI_Datatype t = Datatype(c.kind);
   bool root = Rank(c.comm) == c.root;
-  if (!root && send != recv) std::memcpy(recv, send, c.count * ByteSize(c.kind));
+  if (!root && send != recv) c.copy(recv, send, c.count * ByteSize(c.kind));
   void* r = root ? recv : nullptr;
   return Check(VJPMPI_BY_COUNT(c.count, MPI_Gather, send, n, t, r, n, t, c.root, c.comm), c.op,
                "MPI_Gather");
@@ -459,7 +465,7 @@ inline std::string Alltoall(const Call& c, const void* send, void* recv) {
   MPI_Datatype t = Datatype(c.kind);
   int size = 1;
   MPI_Comm_size(c.comm, &size);
-  if (send == recv && (size & (size - 1)) == 0 && c.count > 0) {
+  if (send == recv && !c.device && (size & (size - 1)) == 0 && c.count > 0) {
     return AlltoallPairwise(c, recv, size);
   }
   const void* s = send == recv ? MPI_IN_PLACE : send;
@@ -492,7 +498,15 @@ inline std::string Exscan(const Call& c, const void* send, void* recv) {
   MPI_Datatype t = Datatype(c.kind);
   MPI_Op op = Operation(c.red, c.kind);
   e = Check(VJPMPI_BY_COUNT(c.count, MPI_Exscan, s, recv, n, t, op, c.comm), c.op, "MPI_Exscan");
-  if (e.empty() && Rank(c.comm) == 0) FillIdentity(recv, c.count, c.kind, c.red);
+  if (e.empty() && Rank(c.comm) == 0) {
+    if (c.device) {  // fill on the host, then copy to the device buffer
+      std::vector<unsigned char> host(c.count * ByteSize(c.kind));
+      FillIdentity(host.data(), c.count, c.kind, c.red);
+      c.copy(recv, host.data(), host.size());
+    } else {
+      FillIdentity(recv, c.count, c.kind, c.red);
+    }
+  }
   return e;
 }
 

@@ -1,0 +1,312 @@
+// XLA FFI handlers of every collective, written once for all backends.
+//
+// A backend file defines, before including this header:
+//   VJPMPI_CTX_BIND          extra FFI bindings before the arguments (e.g. the stream)
+//   VJPMPI_CTX_PARAMS_FIRST  the matching handler parameters, each followed by a comma
+//   VJPMPI_MEM               an expression making the memory policy from those parameters
+// and a memory policy type with:
+//   void Prepare(Call&)                       before anything (may switch c.copy)
+//   const void* In(const void* buf, size_t)   a pointer MPI may read
+//   void* Out(void* buf, size_t)              a pointer MPI may write (aliases kept)
+//   std::string Begin()                       inputs ready (e.g. stream synchronised)
+//   std::string End()                         outputs in place (e.g. copied back)
+// Every handler takes the ordering token last and returns it last; the token
+// carries no data, it only orders the custom calls inside one XLA program.
+#pragma once
+
+#include <string>
+
+#include "nanobind/nanobind.h"
+#include "nanobind/stl/string.h"
+#include "nanobind/stl/vector.h"
+#include "vjpmpi_mpi.h"
+#include "vjpmpi_runtime.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+namespace ffi = xla::ffi;
+
+namespace vjpmpi {
+namespace {
+
+Kind KindOf(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::PRED: return Kind::kBool;
+    case ffi::DataType::S8: return Kind::kI8;
+    case ffi::DataType::S16: return Kind::kI16;
+    case ffi::DataType::S32: return Kind::kI32;
+    case ffi::DataType::S64: return Kind::kI64;
+    case ffi::DataType::U8: return Kind::kU8;
+    case ffi::DataType::U16: return Kind::kU16;
+    case ffi::DataType::U32: return Kind::kU32;
+    case ffi::DataType::U64: return Kind::kU64;
+    case ffi::DataType::F16: return Kind::kF16;
+    case ffi::DataType::BF16: return Kind::kBF16;
+    case ffi::DataType::F32: return Kind::kF32;
+    case ffi::DataType::F64: return Kind::kF64;
+    case ffi::DataType::C64: return Kind::kC64;
+    case ffi::DataType::C128: return Kind::kC128;
+    default: return Kind::kUnsupported;
+  }
+}
+
+using Impl = std::string (*)(const Call&, const void*, void*);
+
+// How the element count of one MPI block follows from the buffers.
+enum class Count { kIn, kOut, kInPerRank };
+
+struct Attrs {
+  int64_t comm, red, root, peer, peer2, tag, tag2, status, site;
+};
+
+Call MakeCall(const char* name, const Attrs& a) {
+  Call c{};
+  c.op = name;
+  c.comm = FromHandle<MPI_Comm>(a.comm);
+  c.red = static_cast<Red>(a.red);
+  c.root = static_cast<int>(a.root);
+  c.peer = static_cast<int>(a.peer);
+  c.peer2 = static_cast<int>(a.peer2);
+  c.tag = static_cast<int>(a.tag);
+  c.tag2 = static_cast<int>(a.tag2);
+  c.status = reinterpret_cast<MPI_Status*>(static_cast<uintptr_t>(a.status));
+  return c;
+}
+
+ffi::Error Unsupported(const char* name) {
+  return ffi::Error::InvalidArgument(std::string("vjpmpi.") + name + ": unsupported dtype");
+}
+
+// Everything a handler does around its MPI call: guard (trace, overlap
+// counter, watchdog slot), finalized check, opt-in mismatch check, and the
+// memory policy's staging before and after.
+template <typename Mem, typename Body>
+ffi::Error Run(Mem& mem, Call& c, int64_t site, bool collective, Body body) {
+  Guard guard(c.op, site, c.comm);
+  std::string e = CheckAlive(c.op);
+  if (e.empty() && collective && check_enabled.load(std::memory_order_relaxed)) {
+    e = CheckCollective(c, site);
+  }
+  if (e.empty()) e = body();
+  std::string end = mem.End();
+  if (e.empty()) e = end;
+  return e.empty() ? ffi::Error::Success() : ffi::Error::Internal(e);
+}
+
+// (x, token) -> (y, token): every collective with one array in and one out.
+template <Impl F, Count N, typename Mem>
+ffi::Error Unary(Mem mem, const char* name, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                 const Attrs& a) {
+  Call c = MakeCall(name, a);
+  c.kind = KindOf(x.element_type());
+  if (c.kind == Kind::kUnsupported) return Unsupported(name);
+  if (N == Count::kIn) {
+    c.count = x.element_count();
+  } else if (N == Count::kOut) {
+    c.count = y->element_count();
+  } else {
+    std::string e = CheckAlive(name);
+    if (!e.empty()) return ffi::Error::Internal(e);
+    int size = 1;
+    MPI_Comm_size(c.comm, &size);
+    c.count = x.element_count() / static_cast<size_t>(size);
+  }
+  c.count2 = c.count;
+  mem.Prepare(c);
+  return Run(mem, c, a.site, F != Recv, [&] {
+    const void* in = mem.In(x.untyped_data(), x.size_bytes());
+    void* out = mem.Out(y->untyped_data(), y->size_bytes());
+    std::string e = mem.Begin();
+    return e.empty() ? F(c, in, out) : e;
+  });
+}
+
+// (x, token) -> token
+template <typename Mem>
+ffi::Error SendH(Mem mem, ffi::AnyBuffer x, const Attrs& a) {
+  Call c = MakeCall("send", a);
+  c.kind = KindOf(x.element_type());
+  if (c.kind == Kind::kUnsupported) return Unsupported("send");
+  c.count = c.count2 = x.element_count();
+  mem.Prepare(c);
+  return Run(mem, c, a.site, false, [&] {
+    const void* in = mem.In(x.untyped_data(), x.size_bytes());
+    std::string e = mem.Begin();
+    return e.empty() ? Send(c, in, nullptr) : e;
+  });
+}
+
+// (x, recv template, token) -> (y, token); y aliases the template.
+template <typename Mem>
+ffi::Error SendrecvH(Mem mem, ffi::AnyBuffer x, ffi::AnyBuffer tmpl,
+                     ffi::Result<ffi::AnyBuffer> y, const Attrs& a) {
+  Call c = MakeCall("sendrecv", a);
+  c.kind = KindOf(x.element_type());
+  if (c.kind == Kind::kUnsupported || KindOf(y->element_type()) != c.kind) {
+    return Unsupported("sendrecv");
+  }
+  c.count = x.element_count();
+  c.count2 = y->element_count();
+  mem.Prepare(c);
+  return Run(mem, c, a.site, false, [&] {
+    const void* in = mem.In(x.untyped_data(), x.size_bytes());
+    mem.In(tmpl.untyped_data(), tmpl.size_bytes());  // unreceived elements keep it
+    void* out = mem.Out(y->untyped_data(), y->size_bytes());
+    std::string e = mem.Begin();
+    return e.empty() ? Sendrecv(c, in, out) : e;
+  });
+}
+
+// token -> token
+template <typename Mem>
+ffi::Error BarrierH(Mem mem, const Attrs& a) {
+  Call c = MakeCall("barrier", a);
+  c.kind = Kind::kU8;
+  mem.Prepare(c);
+  return Run(mem, c, a.site, true, [&] {
+    std::string e = mem.Begin();
+    return e.empty() ? Barrier(c, nullptr, nullptr) : e;
+  });
+}
+
+#define VJPMPI_ATTR_PARAMS                                                                   \
+  int64_t comm, int64_t red, int64_t root, int64_t peer, int64_t peer2, int64_t tag,        \
+      int64_t tag2, int64_t status, int64_t site
+#define VJPMPI_ATTRS_OF Attrs{comm, red, root, peer, peer2, tag, tag2, status, site}
+#define VJPMPI_ATTRS                                                         \
+  .Attr<int64_t>("comm")       /* communicator handle (mpi4py .handle) */   \
+      .Attr<int64_t>("red")    /* reduction code, see Red */                \
+      .Attr<int64_t>("root")   /* root rank */                              \
+      .Attr<int64_t>("peer")   /* destination rank */                       \
+      .Attr<int64_t>("peer2")  /* source rank */                            \
+      .Attr<int64_t>("tag")    /* send tag */                               \
+      .Attr<int64_t>("tag2")   /* receive tag */                            \
+      .Attr<int64_t>("status") /* address of an MPI_Status to fill, or 0 */ \
+      .Attr<int64_t>("site")   /* call-site id (check/timeout), or 0 */
+
+#define VJPMPI_UNARY(Symbol, name, F, N)                                                  \
+  ffi::Error Symbol##Impl(VJPMPI_CTX_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token,           \
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,          \
+                          VJPMPI_ATTR_PARAMS) {                                            \
+    return Unary<F, N>(VJPMPI_MEM, name, x, y, VJPMPI_ATTRS_OF);                           \
+  }                                                                                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Symbol, Symbol##Impl,                                      \
+                                ffi::Ffi::Bind() VJPMPI_CTX_BIND                           \
+                                    .Arg<ffi::AnyBuffer>() /* x */                         \
+                                    .Arg<ffi::Token>()     /* ordering token */            \
+                                    .Ret<ffi::AnyBuffer>() /* y */                         \
+                                    .Ret<ffi::Token>()     /* ordering token */            \
+                                        VJPMPI_ATTRS);
+
+VJPMPI_UNARY(kAllreduce, "allreduce", Allreduce, Count::kIn)
+VJPMPI_UNARY(kReduce, "reduce", Reduce, Count::kIn)
+VJPMPI_UNARY(kBcast, "bcast", Bcast, Count::kIn)
+VJPMPI_UNARY(kAllgather, "allgather", Allgather, Count::kIn)
+VJPMPI_UNARY(kGather, "gather", Gather, Count::kIn)
+VJPMPI_UNARY(kScatter, "scatter", Scatter, Count::kOut)
+VJPMPI_UNARY(kAlltoall, "alltoall", Alltoall, Count::kInPerRank)
+VJPMPI_UNARY(kReduceScatter, "reduce_scatter", ReduceScatter, Count::kOut)
+VJPMPI_UNARY(kScan, "scan", Scan, Count::kIn)
+VJPMPI_UNARY(kExscan, "exscan", Exscan, Count::kIn)
+VJPMPI_UNARY(kRecv, "recv", Recv, Count::kOut)
+
+ffi::Error SendImpl(VJPMPI_CTX_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::Token>,
+                    VJPMPI_ATTR_PARAMS) {
+  return SendH(VJPMPI_MEM, x, VJPMPI_ATTRS_OF);
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kSend, SendImpl,
+                              ffi::Ffi::Bind() VJPMPI_CTX_BIND
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::Token>()      // ordering token
+                                  .Ret<ffi::Token>()      // ordering token
+                                      VJPMPI_ATTRS);
+
+ffi::Error SendrecvImpl(VJPMPI_CTX_PARAMS_FIRST ffi::AnyBuffer x, ffi::AnyBuffer tmpl, ffi::Token,
+                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                        VJPMPI_ATTR_PARAMS) {
+  return SendrecvH(VJPMPI_MEM, x, tmpl, y, VJPMPI_ATTRS_OF);
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kSendrecv, SendrecvImpl,
+                              ffi::Ffi::Bind() VJPMPI_CTX_BIND
+                                  .Arg<ffi::AnyBuffer>()  // x, sent to peer
+                                  .Arg<ffi::AnyBuffer>()  // receive template
+                                  .Arg<ffi::Token>()      // ordering token
+                                  .Ret<ffi::AnyBuffer>()  // y, received from peer2
+                                  .Ret<ffi::Token>()      // ordering token
+                                      VJPMPI_ATTRS);
+
+ffi::Error BarrierImpl(VJPMPI_CTX_PARAMS_FIRST ffi::Token, ffi::Result<ffi::Token>,
+                       VJPMPI_ATTR_PARAMS) {
+  return BarrierH(VJPMPI_MEM, VJPMPI_ATTRS_OF);
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier, BarrierImpl,
+                              ffi::Ffi::Bind() VJPMPI_CTX_BIND
+                                  .Arg<ffi::Token>()  // ordering token
+                                  .Ret<ffi::Token>()  // ordering token
+                                      VJPMPI_ATTRS);
+
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "Encapsulated function must be an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+std::string LibraryVersion() {
+  char buf[MPI_MAX_LIBRARY_VERSION_STRING + 1];
+  int len = 0;
+  MPI_Get_library_version(buf, &len);
+  buf[len] = '\0';
+  return std::string(buf, len);
+}
+
+// What every backend module exports: its handlers and the run-time services.
+void DefineCommon(nb::module_& m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["allreduce"] = Capsule(kAllreduce);
+    d["reduce"] = Capsule(kReduce);
+    d["bcast"] = Capsule(kBcast);
+    d["allgather"] = Capsule(kAllgather);
+    d["gather"] = Capsule(kGather);
+    d["scatter"] = Capsule(kScatter);
+    d["alltoall"] = Capsule(kAlltoall);
+    d["reduce_scatter"] = Capsule(kReduceScatter);
+    d["scan"] = Capsule(kScan);
+    d["exscan"] = Capsule(kExscan);
+    d["send"] = Capsule(kSend);
+    d["recv"] = Capsule(kRecv);
+    d["sendrecv"] = Capsule(kSendrecv);
+    d["barrier"] = Capsule(kBarrier);
+    return d;
+  });
+  // The MPI library these kernels resolved at load time (checked at import
+  // against the one mpi4py loaded).
+  m.def("library_version", &LibraryVersion);
+  // configure(check, timeout_seconds): the opt-in mismatch check and watchdog.
+  m.def("configure", &Configure);
+  m.def("register_site", &RegisterSite);
+  m.def("trace_enabled", []() { return tracing; });
+  // Returns and clears the recorded sequence of collectives.
+  m.def("take_trace", []() {
+    std::lock_guard<std::mutex> lock(trace_mutex);
+    std::vector<std::string> out;
+    out.swap(trace_log);
+    return out;
+  });
+  // (kernel calls, calls that overlapped another running vjpmpi kernel)
+  m.def("call_counts", []() { return nb::make_tuple(calls.load(), overlaps.load()); });
+#if defined(OPEN_MPI) && OPEN_MPI
+  m.attr("abi") = nb::str("openmpi");
+#elif defined(MPICH_VERSION)
+  m.attr("abi") = nb::str("mpich");
+#else
+  m.attr("abi") = nb::str("unknown");
+#endif
+  m.attr("mpi_version") =
+      nb::str((std::to_string(MPI_VERSION) + "." + std::to_string(MPI_SUBVERSION)).c_str());
+  m.attr("status_size") = nb::int_(static_cast<int64_t>(sizeof(MPI_Status)));
+}
+
+}  // namespace
+}  // namespace vjpmpi
