@@ -90,3 +90,23 @@ def test_bad_cuda_aware_setting_is_an_import_error():
         [sys.executable, "-c", "import vjpmpi"], cwd=TESTS, capture_output=True, text=True,
         env={**os.environ, **RANK_ENV, "VJPMPI_CUDA_AWARE": "yes"}, timeout=300)
     assert r.returncode != 0 and "VJPMPI_CUDA_AWARE must be auto, 0 or 1" in r.stderr
+
+
+def test_source_tree_without_build_says_so(tmp_path):
+    """Importing the repository's vjpmpi/ folder (no compiled kernels in it) names the cause."""
+    import json
+    import shutil
+    from importlib.metadata import distribution
+
+    url = distribution("vjpmpi").read_text("direct_url.json") or "{}"
+    if json.loads(url).get("dir_info", {}).get("editable"):
+        pytest.skip("an editable install's import hook finds the package before the folder")
+
+    from _mpirun import ROOT
+
+    shutil.copytree(ROOT / "vjpmpi", tmp_path / "vjpmpi",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    r = subprocess.run([sys.executable, "-c", "import vjpmpi"], cwd=tmp_path,
+                       capture_output=True, text=True, env={**os.environ, **RANK_ENV}, timeout=300)
+    assert r.returncode != 0
+    assert "compiled kernels are not in" in r.stderr and "pip install ." in r.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import jax
 from mpi4py import MPI  # loads libmpi before the kernels resolve against it
@@ -18,6 +19,12 @@ or pick mpi4py's MPI with MPI4PY_LIBMPI / by installing the matching `mpich` or 
 try:
     from . import _vjpmpi_cpu as cpu
 except ImportError as err:  # typically: libmpi.so.N of another MPI family
+    if not list(Path(__file__).parent.glob("_vjpmpi_cpu*")):
+        raise ImportError(
+            f"vjpmpi's compiled kernels are not in {Path(__file__).parent}: this is a source "
+            "tree without a build. Install the package (`pip install .`) and import it from "
+            "another directory, or build in place (`pip install -e .`)."
+        ) from err
     raise ImportError(
         _MISMATCH.format(built="unknown", ours=f"failed to load ({err})",
                          theirs=MPI.Get_library_version().strip().splitlines()[0])
