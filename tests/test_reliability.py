@@ -107,13 +107,43 @@ def test_check_catches_forward_against_backward(tmp_path):
     assert re.search(r"rank 1: bcast\(root=0\) on float32\[4\] at", run.output)
 
 
-def test_check_passes_the_collective_and_autodiff_suites(tmp_path):
-    """No false alarms: every collective and backward pass with the check (and timeout) on."""
-    run = mpirun(2, ["-m", "pytest", "mpi/test_collectives.py", "mpi/test_autodiff.py", "-q",
-                     "-p", "no:cacheprovider", "-x"], timeout=900,
+def test_check_passes_the_collective_autodiff_and_order_suites(tmp_path):
+    """No false alarms: every collective, backward pass and nesting pattern with the check
+    (and timeout) on; with the check, a wrong pairing in the ordering suite is an error
+    naming both ranks' collectives instead of wrong numbers or a hang."""
+    run = mpirun(2, ["-m", "pytest", "mpi/test_collectives.py", "mpi/test_autodiff.py",
+                     "mpi/test_program_order.py", "-q", "-p", "no:cacheprovider", "-x"],
+                 timeout=900,
                  env={**CHECK, "VJPMPI_TIMEOUT": "300"})
     assert run.returncode == 0 and not run.timed_out, run.describe()
     assert len(re.findall(r"\d+ passed", run.output)) == 2, run.describe()
+
+
+def test_program_on_several_devices_of_one_process_is_an_error(tmp_path):
+    """Two CPU devices in one process: each would call MPI on its own; compiling says so."""
+    run, _ = run_script(tmp_path, """
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        mesh = jax.make_mesh((2,), ("i",))
+        x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("i")))
+        f = jax.shard_map(lambda v: vjpmpi.allreduce(v, MPI.SUM), mesh=mesh, in_specs=P("i"),
+                          out_specs=P("i"))
+        for fn in (f, lambda v: vjpmpi.allreduce(v, MPI.SUM)):
+            try:
+                jax.jit(fn).lower(x)
+                say("lowered")
+            except NotImplementedError as e:
+                say("error:", str(e).splitlines()[0])
+        one = jax.make_mesh((1,), ("i",), devices=jax.devices()[:1])
+        g = jax.shard_map(lambda v: vjpmpi.allreduce(v, MPI.SUM), mesh=one, in_specs=P(),
+                          out_specs=P())
+        say("one device:", np.asarray(jax.jit(g)(jnp.arange(4.0, device=jax.devices()[0]))))
+    """, nprocs=1, timeout=120,
+        env={"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false "
+                          "--xla_force_host_platform_device_count=2"})
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    errors = report(run, "error: vjpmpi.allreduce: the program being compiled runs on 2 devices")
+    assert len(errors) == 2 and "lowered" not in run.output, run.describe()
+    assert "one device: [0. 1. 2. 3.]" in run.output, run.describe()
 
 
 HANG = """

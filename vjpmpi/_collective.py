@@ -4,8 +4,8 @@ A spec says what is particular to a collective (its FFI target, output
 shapes, which operand its result may alias, where the communicator's rank
 axis sits for batching).  Everything else is derived here, once, for all
 collectives: abstract evaluation, eager dispatch, lowering to an XLA FFI
-custom call on the ordering token chain, batching, and protection from dead
-code elimination.
+custom call on the program's ordering token chain, batching, differentiation
+and protection from dead code elimination.
 """
 
 from __future__ import annotations
@@ -14,20 +14,16 @@ import dataclasses
 import functools
 import pathlib
 import sys
-import threading
 import weakref
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core, dispatch, effects, source_info_util
-from jax._src.interpreters import ad, batching, mlir
-from jax._src.interpreters import partial_eval as pe
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo
 
+from . import _jax_compat as jc
 from . import _kernels  # noqa: F401  (registers the FFI targets)
+from ._jax_compat import ad, core
 from ._mpi import RED_NAMES, CommRef
 
 _PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parent)
@@ -82,10 +78,6 @@ _PRIMITIVES: set[core.Primitive] = set()
 _contains_cache: "weakref.WeakKeyDictionary[core.Jaxpr, bool]" = weakref.WeakKeyDictionary()
 
 
-def _keep_eqn(used_outputs, eqn):
-    return [True] * len(eqn.invars), eqn
-
-
 def contains_collective(jaxpr: core.Jaxpr) -> bool:
     """Whether `jaxpr` (or any jaxpr nested in it) binds a vjpmpi collective."""
     hit = _contains_cache.get(jaxpr)
@@ -96,68 +88,80 @@ def contains_collective(jaxpr: core.Jaxpr) -> bool:
 
 
 def _body_communicates(eqn) -> bool:
-    return any(contains_collective(j) for j in core.jaxprs_in_params(eqn.params))
-
-
-def _guarded(rule):
-    def dce_rule(used_outputs, eqn):
-        if not any(used_outputs) and _body_communicates(eqn):
-            if not used_outputs:  # nothing to keep alive but the equation itself
-                return [True] * len(eqn.invars), eqn
-            used_outputs = [True] * len(used_outputs)
-        return rule(used_outputs, eqn)
-
-    dce_rule.vjpmpi_guard = True
-    return dce_rule
+    return any(contains_collective(j) for j in jc.jaxprs_in_params(eqn.params))
 
 
 def _communicates(eqn) -> bool:
-    return eqn.primitive in _PRIMITIVES or _body_communicates(eqn)
+    return eqn.primitive in _PRIMITIVES or _body_communicates(eqn) or _is_exported_call(eqn)
 
 
-def _keep_traced_eqns() -> None:
-    """Jaxpr tracing with auto-DCE (JAX's linearize / vjp tangent traces) holds
-    effect-free equations weakly and forgets those whose outputs die; hold the
-    ones that communicate strongly, as JAX does for effectful equations."""
-    frame = pe.JaxprStackFrame
-    if getattr(frame.add_eqn, "vjpmpi_guard", False):
-        return
-    original = frame.add_eqn
-
-    def add_eqn(self, eqn):
-        if self.auto_dce and not eqn.effects and _communicates(eqn):
-            self.tracing_eqns.append(eqn)
-        else:
-            original(self, eqn)
-
-    add_eqn.vjpmpi_guard = True
-    frame.add_eqn = add_eqn
+_exported_cache: dict = {}
 
 
-def _guard_higher_order_primitives() -> None:
-    from jax._src.lax.control_flow import loops
+def _is_exported_call(eqn) -> bool:
+    """Whether `eqn` calls a `jax.export`ed function whose program runs vjpmpi collectives.
 
-    extra = {loops.while_p: pe._default_dce_rule}
-    for prim, rule in [*pe.dce_rules.items(), *extra.items()]:
-        if prim in _PRIMITIVES or getattr(rule, "vjpmpi_guard", False):
-            continue
-        pe.dce_rules[prim] = _guarded(rule)
+    Such a function was compiled with a chain of its own and takes no token, so it can
+    be ordered against nothing else in the calling program.
+    """
+    if eqn.primitive is not jc.call_exported_p:
+        return False
+    exported = eqn.params["exported"]
+    hit = _exported_cache.get(id(exported))
+    if hit is None:  # (the object is kept so that its id stays its own)
+        hit = _exported_cache[id(exported)] = (exported, "vjpmpi_" in jc.exported_text(exported))
+    return hit[1]
+
+
+def _members(jaxpr: core.Jaxpr) -> tuple[int, int]:
+    """(collective equations, calls of exported collective functions) in `jaxpr`, nested."""
+    own = exported = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in _PRIMITIVES:
+            own += 1
+        elif _is_exported_call(eqn):
+            exported += 1
+        for j in jc.jaxprs_in_params(eqn.params):
+            if contains_collective(j):
+                o, e = _members(j)
+                own, exported = own + o, exported + e
+    return own, exported
 
 
 # ------------------------------------------------------------- ordering --
-class _Chain(threading.local):
-    module: object = None
-    tokens: dict = {}
+class Ordered(jc.Effect):
+    """Program order: the one XLA token chain through all collectives of a program.
+
+    An *ordered* effect, so JAX's lowering threads a token for it through loop
+    carries, branch operands and results, nested calls, remat and custom
+    derivatives, in program order.  Traced jaxprs never carry it (any effect in a
+    jitted function sends its calls down JAX's slow dispatch path): it is added to a
+    copy of the jaxpr when lowering starts (`_jax_compat.ordered_lowering`), and the
+    chain starts with a fresh token and ends inside the program.
+    """
+
+    def __repr__(self):
+        return "vjpmpi.Ordered"
 
 
-_chain = _Chain()
+ORDERED = Ordered()
+jc.register_effect(Ordered, ordered=True)
+_marked: "weakref.WeakKeyDictionary[core.Jaxpr, core.Jaxpr]" = weakref.WeakKeyDictionary()
 
 
-def _block_tokens(ctx: mlir.LoweringRuleContext) -> dict:
-    module = ctx.module_context.module
-    if _chain.module is not module:
-        _chain.module, _chain.tokens = module, {}
-    return _chain.tokens
+def _mark(jaxpr: core.Jaxpr) -> core.Jaxpr:
+    own, exported = _members(jaxpr)
+    if exported and own + exported > 1:
+        raise NotImplementedError(
+            "vjpmpi: this program calls a jax.export-ed function that runs vjpmpi "
+            f"collectives, next to {own + exported - 1} other collective call(s). An "
+            "exported function carries its own ordering chain and cannot be ordered "
+            "against the rest of the program; call it in a program of its own, or export "
+            "the whole program.")
+    return jc.mark_jaxpr(jaxpr, ORDERED, _PRIMITIVES.__contains__, contains_collective, _marked)
+
+
+jc.ordered_lowering(ORDERED, _mark, contains_collective)
 
 
 def _int64(v: int) -> np.int64:
@@ -168,8 +172,8 @@ def _int64(v: int) -> np.int64:
 
 def _user_frame() -> str:
     """`file:line (function)` of the user code that issued the collective being lowered."""
-    tb = source_info_util.current().traceback
-    for frame in source_info_util.user_frames(tb) if tb is not None else ():
+    tb = jc.source_info_util.current().traceback
+    for frame in jc.source_info_util.user_frames(tb) if tb is not None else ():
         if not frame.file_name.startswith(_PACKAGE_DIR):
             return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
     # eager calls: the Python stack of the call being compiled
@@ -200,14 +204,31 @@ def _site(ctx, spec: Collective, params) -> int:
 
 
 def _lower(ctx, *args, spec: Collective, **params):
-    """Lower to `vjpmpi_<target>` taking the block's last token and returning the next."""
-    if spec.ffi_target() is None:
+    """Lower to `vjpmpi_<target>`, taking the program's chain token and handing on the next.
+
+    The chain runs through every collective of the program in program order, into and
+    out of loops, branches and nested calls (see `Ordered`), so XLA cannot reorder two
+    collectives, whatever the data dependencies between them on each rank.
+    """
+    if spec.ffi_target() is None:  # no communication: the identity, token passed on
+        token = jc.chain_token(ctx, ORDERED)
+        if token is not None:
+            jc.set_chain_token(ctx, ORDERED, token)
         return list(args)
-    tokens = _block_tokens(ctx)
-    block = ir.InsertionPoint.current.block
-    token = tokens.get(block)
+    devices = jc.program_devices(ctx)
+    if devices > 1:
+        raise NotImplementedError(
+            f"vjpmpi.{spec.name}: the program being compiled runs on {devices} devices of "
+            "this process (a multi-device sharding, shard_map or pmap); vjpmpi runs one "
+            "collective per process, so each device would call MPI on its own. Use one "
+            "device per MPI rank (see vjpmpi.local_device()).")
+    token = jc.chain_token(ctx, ORDERED)
     if token is None:
-        token = hlo.create_token()
+        raise NotImplementedError(
+            f"vjpmpi.{spec.name}: collective lowered outside vjpmpi's ordering chain (in "
+            f"'{ctx.name_stack}'): a JAX construct around it does not pass XLA tokens on, "
+            "so its order against the program's other collectives could differ between "
+            "ranks. Please report this with the construct used.")
     aliases = {}
     if spec.alias is not None:
         i, j = spec.alias
@@ -224,7 +245,7 @@ def _lower(ctx, *args, spec: Collective, **params):
     attrs = {k: _int64(params[k].handle if k == "comm" else params[k]) for k in PARAMS}
     attrs["site"] = np.int64(_site(ctx, spec, params) if _kernels.CHECK or _kernels.TIMEOUT else 0)
     outs = rule(sub, *args, token, **attrs)
-    tokens[block] = outs[-1]
+    jc.set_chain_token(ctx, ORDERED, outs[-1])
     return outs[:-1]
 
 
@@ -247,28 +268,6 @@ def _batch(prim, spec: Collective, args, dims, **params):
         moved.append(a)
     outs = prim.bind(*moved, **params)
     return outs, [b + int(out_ax) - int(in_ax)] * len(outs)
-
-
-def _partial_eval(prim, trace, *tracers, **params):
-    """JaxprTrace rule: like the default, but the staged equation is always kept.
-
-    The old-style partial evaluator (`jax.linear_transpose`, `jax.linearize`) builds
-    its jaxpr from what the outputs reach; a collective with no used output (a send,
-    or a rank that ignores a result) would vanish on that rank only.
-    """
-    known = [t.pval.get_known() for t in tracers]
-    if all(k is not None for k in known):
-        return prim.bind_with_trace(trace.parent_trace, known, tuple(t.aval for t in tracers),
-                                    params)
-    tracers = [trace.instantiate_const(t) for t in tracers]
-    out_avals, effs = prim.abstract_eval(*[t.aval for t in tracers], **params)
-    outs = [pe.JaxprTracer(trace, pe.PartialVal.unknown(a), None) for a in out_avals]
-    source = source_info_util.current().replace(name_stack=trace._current_truncated_name_stack())
-    eqn = pe.new_eqn_recipe(trace, tracers, outs, prim, params, effs, source)
-    trace.effect_handles.append(pe.EffectHandle(tracers, eqn))
-    for t in outs:
-        t.recipe = eqn
-    return outs
 
 
 # ------------------------------------------------------- differentiation --
@@ -299,7 +298,7 @@ def _transpose(spec: Collective, cts, *args, **params):
 
 
 # --------------------------------------------------------------- derive --
-class Linearized(effects.Effect):
+class Linearized(jc.Effect):
     """Carried by the tangent (linearized) form of a collective.
 
     JAX skips the backward pass of a linear program whose output cotangents are all
@@ -315,10 +314,7 @@ class Linearized(effects.Effect):
 
 
 LINEARIZED = Linearized()
-for _kind in (effects.lowerable_effects, effects.control_flow_allowed_effects,
-              effects.custom_derivatives_allowed_effects, effects.remat_allowed_effects,
-              effects.partial_eval_kept_effects):
-    _kind.add_type(Linearized)
+jc.register_effect(Linearized, ordered=False)
 
 
 def make_primitive(spec: Collective) -> tuple[core.Primitive, core.Primitive]:
@@ -326,31 +322,46 @@ def make_primitive(spec: Collective) -> tuple[core.Primitive, core.Primitive]:
     prim = core.Primitive(f"vjpmpi_{spec.name}")
     lin = core.Primitive(f"vjpmpi_{spec.name}_lin")
 
-    def abstract_eval(*avals, **params):
-        return spec.out_avals(params, *avals)
+    def abstract_eval(*avals, ordered=False, **params):
+        return spec.out_avals(params, *avals), {ORDERED} if ordered else core.no_effects
 
-    prim.def_abstract_eval(abstract_eval)
-    lin.def_effectful_abstract_eval(lambda *a, **p: (abstract_eval(*a, **p), {LINEARIZED}))
+    def lin_abstract_eval(*avals, **params):
+        outs, effs = abstract_eval(*avals, **params)
+        return outs, {*effs, LINEARIZED}
+
+    prim.def_effectful_abstract_eval(abstract_eval)
+    lin.def_effectful_abstract_eval(lin_abstract_eval)
     for p in (prim, lin):
         p.multiple_results = True
-        p.def_impl(functools.partial(dispatch.apply_primitive, p))
-        # Not cacheable: each call site must join the token chain of its own block.
-        mlir.register_lowering(
+        p.def_impl(functools.partial(jc.dispatch.apply_primitive, p))
+        # Not cacheable: each call site registers its own description (check, timeout).
+        jc.mlir.register_lowering(
             p, functools.partial(_lower, spec=spec), platform="cpu", cacheable=False
         )
-        batching.primitive_batchers[p] = functools.partial(_batch, p, spec)
+        jc.batching.primitive_batchers[p] = functools.partial(_batch, p, spec)
         ad.primitive_jvps[p] = functools.partial(_jvp, p, lin, spec)
         if spec.transpose is not None:
             ad.primitive_transposes[p] = functools.partial(_transpose, spec)
-        pe.dce_rules[p] = _keep_eqn
-        pe.custom_partial_eval_rules[p] = functools.partial(_partial_eval, p)
+        jc.keep_alive_in_dce(p)
+        jc.keep_in_partial_eval(p)
         _PRIMITIVES.add(p)
-    _guard_higher_order_primitives()
-    _keep_traced_eqns()
+    jc.guard_dce_rules(_communicates, _PRIMITIVES.__contains__)
+    jc.keep_traced_equations(_communicates)
     return prim, lin
 
 
+jc.track_host_callbacks()
+
+_IN_CALLBACK = (
+    "vjpmpi.{op}: called from inside a host callback (jax.pure_callback, io_callback or "
+    "debug.callback). The callback runs in the middle of another compiled program, "
+    "ordered only by data dependencies, so its collectives could pair with different "
+    "collectives on different ranks. Call vjpmpi in the traced program instead.")
+
+
 def bind(prim: core.Primitive, args: Sequence, comm: CommRef, **params) -> list:
+    if jc.inside_host_callback():
+        raise RuntimeError(_IN_CALLBACK.format(op=prim.name.removeprefix("vjpmpi_")))
     full = dict.fromkeys(PARAMS, 0)
     full.update(params, comm=comm)
     return prim.bind(*args, **full)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import warnings
 
 import jax
-from jax._src import xla_bridge
+
+from ._jax_compat import cpu_client_started
 
 _LATE = (
     "vjpmpi was imported after JAX created its CPU client with asynchronous dispatch, "
@@ -29,7 +30,7 @@ class OrderingWarning(RuntimeWarning):
 
 def ensure_synchronous_cpu_dispatch() -> bool:
     """Turn off CPU async dispatch; warn (and return False) if it is too late."""
-    if not xla_bridge.backends_are_initialized():
+    if not cpu_client_started():
         jax.config.update("jax_cpu_enable_async_dispatch", False)
         return True
     if jax.config.read("jax_cpu_enable_async_dispatch"):

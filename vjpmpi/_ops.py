@@ -12,11 +12,10 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.interpreters import ad
 from mpi4py import MPI
 
 from ._collective import PARAMS, Collective, bind, make_primitive
+from ._jax_compat import ad, core
 from ._mpi import MAX, MIN, PROD, RED_NAMES, SUM, as_comm, as_red, check_dtype, check_red_dtype
 
 __all__ = [

@@ -12,6 +12,7 @@ import vjpmpi
 from vjpmpi import _collective, _ops
 
 from helpers import WORLD
+from hlo_order import assert_ordered, collective_sequence
 
 size, rank = WORLD.size, WORLD.rank
 
@@ -101,6 +102,7 @@ def chain(text):
 
 
 def assert_chain(text, expected_ops):
+    """The lowered main function: one chain from a fresh token through `expected_ops`."""
     calls = chain(text)
     assert [c[0] for c in calls] == expected_ops
     first_token = calls[0][1]
@@ -121,18 +123,36 @@ def test_hlo_token_chain_in_source_order():
         r = vjpmpi.recv(c, MPI.PROC_NULL)
         return y.sum() + z.sum() + w.sum() + s.sum() + r.sum()
 
-    text = jax.jit(f).lower(jnp.ones(3), jnp.ones(4), jnp.ones(5)).as_text()
-    assert_chain(text, ["allgather", "bcast", "allreduce", "barrier", "scan", "send", "recv"])
+    lowered = jax.jit(f).lower(jnp.ones(3), jnp.ones(4), jnp.ones(5))
+    expected = ["allgather", "bcast", "allreduce", "barrier", "scan", "send", "recv"]
+    assert_chain(lowered.as_text(), expected)
+    compiled = lowered.compile().as_text()
+    assert_ordered(compiled)
+    assert collective_sequence(compiled) == expected
 
 
-def test_hlo_token_chain_inside_loop_body():
+def test_hlo_token_chain_through_loop_body():
     def body(carry, _):
         a = vjpmpi.allreduce(carry, MPI.SUM)
         b = vjpmpi.exscan(carry, MPI.SUM)
         return a + b, vjpmpi.allgather(carry[0])
 
-    text = jax.jit(lambda x: jax.lax.scan(body, x, None, length=3)).lower(jnp.ones(2)).as_text()
-    assert_chain(text, ["allreduce", "exscan", "allgather"])
+    def f(x):
+        y = vjpmpi.bcast(x, 0)
+        c, ys = jax.lax.scan(body, x, None, length=3)
+        return y, c, ys, vjpmpi.allreduce(x * 2, MPI.MAX)
+
+    lowered = jax.jit(f).lower(jnp.ones(2))
+    text = lowered.as_text()
+    # the loop carries the bcast's token in, and the final allreduce takes it from the loop
+    bcast = chain(text)[0]
+    loop = re.search(r"(%\w+):\d+ = stablehlo\.while\(%iterArg = ([%\w#]+)", text)
+    assert bcast[0] == "bcast" and loop.group(2) == bcast[2]
+    assert ("allreduce", f"{loop.group(1)}#0") in [c[:2] for c in chain(text)]
+    compiled = lowered.compile().as_text()
+    assert_ordered(compiled)
+    assert collective_sequence(compiled) == ["bcast", "allreduce", "exscan", "allgather",
+                                             "allreduce"]
 
 
 def test_independent_unused_collectives_are_kept():

@@ -262,7 +262,8 @@ def test_no_recompilation_with_fresh_objects():
 
 def test_nested_jit_and_regions_never_overlap():
     # Collectives in nested jitted functions, loop bodies and branches sit in other
-    # XLA computations than the outer chain; XLA:CPU must still run them one at a time.
+    # XLA computations, joined to the outer chain through their operands and results;
+    # XLA:CPU must run them one at a time.
     before = _overlaps()
     inner = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
 

@@ -1,0 +1,316 @@
+"""Every use of JAX internals in vjpmpi, in one place.
+
+JAX's public API has no hooks for what a communicating primitive needs (to be kept
+through dead-code elimination, and ordered across loops, branches and nested
+calls), so vjpmpi uses a few private modules and rules. Each entry below says what
+it relies on; a JAX upgrade that breaks vjpmpi breaks here first. Tested with
+JAX 0.10.2 (the newest release the project's registry serves).
+
+Private modules used (names re-exported for the rest of the package):
+
+- `jax._src.core`: `Primitive`, `ShapedArray`, `Jaxpr`, `ClosedJaxpr`, `JaxprEqn`
+  (with their `replace` methods), `jaxprs_in_params`, `abstract_token`,
+  `no_effects`, `typeof`.
+- `jax._src.interpreters.ad`: `primitive_jvps`, `primitive_transposes`, `Zero`,
+  `instantiate_zeros`, `is_undefined_primal` (rule tables and helpers; the public
+  `jax.interpreters.ad` re-exports a subset).
+- `jax._src.interpreters.batching.primitive_batchers`: the batching rule table.
+- `jax._src.interpreters.mlir`: `register_lowering(..., cacheable=False)`,
+  `LoweringRuleContext` (`tokens_in`, `set_tokens_out`, `replace`, `avals_in/out`,
+  `name_stack`, `module_context.axis_context`), `TokenSet`, and `jaxpr_subcomp`,
+  which `ordered_lowering` wraps.
+- `jax._src.interpreters.partial_eval`: `dce_rules`, `custom_partial_eval_rules`,
+  `JaxprStackFrame.add_eqn`, and the `JaxprTrace` recipe classes (see
+  `keep_in_partial_eval`).
+- `jax._src.effects`: the effect base class and the effect-type sets.
+- `jax._src.dispatch.apply_primitive`: eager execution of a primitive.
+- `jax._src.source_info_util`: the user's call site of a primitive being lowered.
+- `jax._src.xla_bridge.backends_are_initialized`: whether the CPU client exists.
+- `jax._src.lib.mlir.dialects.hlo.create_token`: the token that starts a chain.
+- `jax._src.callback._FlatCallback.__call__` and `jax._src.debugging.debug_callback_impl`:
+  where host callbacks run (see `track_host_callbacks`).
+- `jax._src.export._export.call_exported_p`: the primitive that calls a deserialized
+  `jax.export` function (its `exported` parameter is the `Exported`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from jax._src import core, dispatch, effects, source_info_util, xla_bridge
+from jax._src.export._export import call_exported_p
+from jax._src.interpreters import ad, batching, mlir
+from jax._src.interpreters import partial_eval as pe
+from jax._src.lib.mlir.dialects import hlo
+
+__all__ = [
+    "core", "ad", "batching", "mlir", "pe", "dispatch", "source_info_util",
+    "Effect", "register_effect", "cpu_client_started", "keep_traced_equations",
+    "guard_dce_rules", "keep_alive_in_dce", "keep_in_partial_eval", "ordered_lowering",
+    "chain_token", "set_chain_token", "program_devices", "jaxprs_in_params", "mark_jaxpr",
+    "track_host_callbacks", "inside_host_callback", "exported_text", "call_exported_p",
+]
+
+Effect = effects.Effect
+jaxprs_in_params = core.jaxprs_in_params  # every Jaxpr in an equation's params
+
+
+def register_effect(effect_type: type, *, ordered: bool) -> None:
+    """Allow an effect type wherever JAX checks effects (loops, conditionals, custom
+    derivatives, remat, lowering); `ordered` also makes JAX's lowering thread an XLA
+    token for it. Relies on the effect-type sets of `jax._src.effects`."""
+    kinds = [effects.lowerable_effects, effects.control_flow_allowed_effects,
+             effects.custom_derivatives_allowed_effects, effects.remat_allowed_effects]
+    kinds.append(effects.ordered_effects if ordered else effects.partial_eval_kept_effects)
+    for kind in kinds:
+        kind.add_type(effect_type)
+
+
+def cpu_client_started() -> bool:
+    """Whether JAX has created its backends (then CPU dispatch settings are fixed).
+    Relies on `xla_bridge.backends_are_initialized`."""
+    return xla_bridge.backends_are_initialized()
+
+
+# --------------------------------------------------- dead code elimination --
+def keep_alive_in_dce(prim: core.Primitive) -> None:
+    """DCE never drops an equation of `prim`, used or not. Relies on `pe.dce_rules`
+    (rule signature `(used_outputs, eqn) -> (used_inputs, eqn or None)`)."""
+    pe.dce_rules[prim] = lambda used_outputs, eqn: ([True] * len(eqn.invars), eqn)
+
+
+def guard_dce_rules(communicates: Callable, skip: Callable) -> None:
+    """Wrap every registered DCE rule of a higher-order primitive (loops, conditionals,
+    jit, remat, custom derivatives, ...) so that an equation that `communicates` is
+    kept whole even when none of its outputs is used. `while_p` and `call_exported_p`
+    have no entry in `pe.dce_rules` (JAX applies the default rule), so one is added.
+    Idempotent. Relies on `pe.dce_rules`, `pe._default_dce_rule` and `loops.while_p`."""
+    from jax._src.lax.control_flow import loops
+
+    # no entry in `pe.dce_rules`: JAX applies its default rule to these
+    extra = {p: pe._default_dce_rule for p in (loops.while_p, call_exported_p)
+             if p not in pe.dce_rules}
+    for prim, rule in [*pe.dce_rules.items(), *extra.items()]:
+        if skip(prim) or getattr(rule, "vjpmpi_guard", False):
+            continue
+        pe.dce_rules[prim] = _guarded(rule, communicates)
+
+
+def _guarded(rule, communicates):
+    def dce_rule(used_outputs, eqn):
+        if not any(used_outputs) and communicates(eqn):
+            if not used_outputs:  # nothing to keep alive but the equation itself
+                return [True] * len(eqn.invars), eqn
+            used_outputs = [True] * len(used_outputs)
+        return rule(used_outputs, eqn)
+
+    dce_rule.vjpmpi_guard = True
+    return dce_rule
+
+
+def keep_traced_equations(communicates: Callable) -> None:
+    """Jaxpr tracing with auto-DCE (JAX's linearize / vjp tangent traces) holds
+    effect-free equations weakly and forgets those whose outputs die; hold the ones
+    that communicate strongly, as JAX does for effectful equations. Idempotent.
+    Relies on `pe.JaxprStackFrame.add_eqn` and its `auto_dce` / `tracing_eqns`."""
+    frame = pe.JaxprStackFrame
+    if getattr(frame.add_eqn, "vjpmpi_guard", False):
+        return
+    original = frame.add_eqn
+
+    def add_eqn(self, eqn):
+        if self.auto_dce and not eqn.effects and communicates(eqn):
+            self.tracing_eqns.append(eqn)
+        else:
+            original(self, eqn)
+
+    add_eqn.vjpmpi_guard = True
+    frame.add_eqn = add_eqn
+
+
+def keep_in_partial_eval(prim: core.Primitive) -> None:
+    """JaxprTrace rule for `prim`: like JAX's default, but the staged equation is
+    always kept. The old-style partial evaluator (`jax.linear_transpose`,
+    `jax.linearize`) builds its jaxpr from what the outputs reach; a collective with
+    no used output (a send, or a rank that ignores a result) would vanish on that
+    rank only. Relies on `pe.custom_partial_eval_rules`, `pe.JaxprTracer`,
+    `pe.PartialVal`, `pe.new_eqn_recipe`, `pe.EffectHandle`, the trace's
+    `effect_handles`, `parent_trace`, `instantiate_const` and
+    `_current_truncated_name_stack`."""
+
+    def rule(trace, *tracers, **params):
+        known = [t.pval.get_known() for t in tracers]
+        if all(k is not None for k in known):
+            return prim.bind_with_trace(trace.parent_trace, known,
+                                        tuple(t.aval for t in tracers), params)
+        tracers = [trace.instantiate_const(t) for t in tracers]
+        out_avals, effs = prim.abstract_eval(*[t.aval for t in tracers], **params)
+        outs = [pe.JaxprTracer(trace, pe.PartialVal.unknown(a), None) for a in out_avals]
+        source = source_info_util.current().replace(
+            name_stack=trace._current_truncated_name_stack())
+        eqn = pe.new_eqn_recipe(trace, tracers, outs, prim, params, effs, source)
+        trace.effect_handles.append(pe.EffectHandle(tracers, eqn))
+        for t in outs:
+            t.recipe = eqn
+        return outs
+
+    pe.custom_partial_eval_rules[prim] = rule
+
+
+# ---------------------------------------------------------------- ordering --
+def _map_param(value, fn):
+    if isinstance(value, core.Jaxpr):
+        return fn(value)
+    if isinstance(value, core.ClosedJaxpr):
+        return value.replace(jaxpr=fn(value.jaxpr))
+    if isinstance(value, tuple):  # also namedtuples (custom_linear_solve's `jaxprs`)
+        items = [_map_param(v, fn) for v in value]
+        return value._make(items) if hasattr(value, "_make") else type(value)(items)
+    return value
+
+
+def mark_jaxpr(jaxpr: core.Jaxpr, effect, is_own: Callable, contains: Callable,
+               memo: dict) -> core.Jaxpr:
+    """A copy of `jaxpr` in which every equation of an own primitive (`is_own`) gets
+    the parameter `ordered=True` and `effect`, and every equation whose nested jaxprs
+    `contain` one gets `effect` and marked copies of those jaxprs. Relies on
+    `Jaxpr.replace`, `JaxprEqn.replace`, `ClosedJaxpr.replace` and on nested jaxprs
+    sitting in equation params as Jaxpr, ClosedJaxpr or tuples of them
+    (`core.jaxprs_in_params` looks at the same places)."""
+    if not contains(jaxpr):
+        return jaxpr
+    hit = memo.get(jaxpr)
+    if hit is not None:
+        return hit
+
+    def mark(j):
+        return mark_jaxpr(j, effect, is_own, contains, memo)
+
+    eqns = []
+    for eqn in jaxpr.eqns:
+        if is_own(eqn.primitive):
+            eqn = eqn.replace(params={**eqn.params, "ordered": True},
+                              effects={*eqn.effects, effect})
+        elif any(contains(j) for j in core.jaxprs_in_params(eqn.params)):
+            params = {k: _map_param(v, mark) for k, v in eqn.params.items()}
+            eqn = eqn.replace(params=params, effects={*eqn.effects, effect})
+        eqns.append(eqn)
+    out = jaxpr.replace(eqns=eqns, effects={*jaxpr.effects, effect})
+    memo[jaxpr] = out
+    return out
+
+
+class _Chains(threading.local):
+    def __init__(self):
+        self.modules = []  # MLIR modules whose main function started a chain
+
+
+_chains = _Chains()
+
+
+def ordered_lowering(effect, mark: Callable, contains: Callable) -> None:
+    """Make JAX's lowering thread one XLA token for `effect` through a whole module.
+
+    Wraps `mlir.jaxpr_subcomp`, the function that lowers every jaxpr (a module's main
+    function, loop bodies and conditions, branches, nested calls, the traced helpers
+    of `lower_fun` rules). Its first call for a module whose jaxpr `contains` a
+    collective replaces the jaxpr by `mark(jaxpr)`, which carries the ordered
+    `effect` on every collective and on every equation containing one, and adds a
+    fresh token for `effect` to the token set. JAX's own rules for while, cond, scan,
+    jit, remat, custom_jvp/vjp, custom_linear_solve then pass that token through
+    loop carries, branch operands and results, and call arguments and results, as
+    they do for `io_callback(ordered=True)`; the last token is dropped at the end of
+    the main function, so the compiled program takes and returns no token and keeps
+    JAX's fast dispatch. Relies on `jaxpr_subcomp`'s signature
+    `(ctx, jaxpr, name_stack, tokens, consts, *args, **kw) -> (outs, tokens)`,
+    `ctx.module`, `mlir.TokenSet` and on every JAX rule looking the function up as
+    `mlir.jaxpr_subcomp` / a module global at call time. Idempotent."""
+    original = mlir.jaxpr_subcomp
+    if getattr(original, "vjpmpi_guard", False):
+        return
+
+    def jaxpr_subcomp(ctx, jaxpr, name_stack, tokens, consts, *args, **kwargs):
+        module = ctx.module
+        start = (effect not in tokens.effects() and contains(jaxpr)
+                 and not any(m is module for m in _chains.modules))
+        if not start:
+            return original(ctx, jaxpr, name_stack, tokens, consts, *args, **kwargs)
+        tokens = mlir.TokenSet({**dict(tokens.items()), effect: hlo.create_token()})
+        _chains.modules.append(module)
+        try:
+            outs, tokens_out = original(ctx, mark(jaxpr), name_stack, tokens, consts,
+                                        *args, **kwargs)
+        finally:
+            _chains.modules.pop()
+        return outs, mlir.TokenSet({e: t for e, t in tokens_out.items() if e is not effect})
+
+    jaxpr_subcomp.vjpmpi_guard = True
+    mlir.jaxpr_subcomp = jaxpr_subcomp
+
+
+def chain_token(ctx: mlir.LoweringRuleContext, effect):
+    """The token of `effect` that this equation receives, or None outside a chain.
+    Relies on `LoweringRuleContext.tokens_in` (a `TokenSet`)."""
+    return ctx.tokens_in.get(effect) if effect in ctx.tokens_in.effects() else None
+
+
+def set_chain_token(ctx: mlir.LoweringRuleContext, effect, token) -> None:
+    """Hand the next token of `effect` on to the following equations. Relies on
+    `LoweringRuleContext.set_tokens_out` and `TokenSet.update_tokens`."""
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({effect: token})))
+
+
+def program_devices(ctx: mlir.LoweringRuleContext) -> int:
+    """How many devices the program being lowered runs on (>1 under a multi-device
+    jit sharding, shard_map or pmap). Relies on `module_context.axis_context` being a
+    `ShardingContext` (`num_devices`) or an `SPMDAxisContext` (`mesh`)."""
+    axis = ctx.module_context.axis_context
+    n = getattr(axis, "num_devices", None)
+    if n is None and getattr(axis, "mesh", None) is not None:
+        n = axis.mesh.size
+    return int(n or 1)
+
+
+# ----------------------------------------------------- outside the chain --
+class _Callbacks(threading.local):
+    depth = 0
+
+
+_callbacks = _Callbacks()
+
+
+def _counting(fn):
+    def wrapper(*args, **kwargs):
+        _callbacks.depth += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _callbacks.depth -= 1
+
+    wrapper.vjpmpi_guard = True
+    return wrapper
+
+
+def track_host_callbacks() -> None:
+    """Count the host callbacks running on this thread, so that `inside_host_callback`
+    can tell. pure_callback and io_callback run the user's function through
+    `callback._FlatCallback.__call__`; jax.debug.callback through
+    `debugging.debug_callback_impl`, which JAX's lowering looks up as a module global
+    at call time. Idempotent."""
+    from jax._src import callback, debugging
+
+    if not getattr(callback._FlatCallback.__call__, "vjpmpi_guard", False):
+        callback._FlatCallback.__call__ = _counting(callback._FlatCallback.__call__)
+    if not getattr(debugging.debug_callback_impl, "vjpmpi_guard", False):
+        debugging.debug_callback_impl = _counting(debugging.debug_callback_impl)
+
+
+def inside_host_callback() -> bool:
+    """Whether this thread is running a JAX host callback (see `track_host_callbacks`)."""
+    return _callbacks.depth > 0
+
+
+def exported_text(exported) -> str:
+    """The StableHLO text of a `jax.export.Exported` (public API: `mlir_module()`)."""
+    return str(exported.mlir_module())
