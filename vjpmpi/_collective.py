@@ -162,6 +162,7 @@ def _mark(jaxpr: core.Jaxpr) -> core.Jaxpr:
 
 
 jc.ordered_lowering(ORDERED, _mark, contains_collective)
+jc.carry_while_predicate(contains_collective)
 
 
 def _int64(v: int) -> np.int64:

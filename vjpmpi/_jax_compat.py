@@ -14,7 +14,8 @@ Private modules used (names re-exported for the rest of the package):
 - `jax._src.interpreters.ad`: `primitive_jvps`, `primitive_transposes`, `Zero`,
   `instantiate_zeros`, `is_undefined_primal` (rule tables and helpers; the public
   `jax.interpreters.ad` re-exports a subset).
-- `jax._src.interpreters.batching.primitive_batchers`: the batching rule table.
+- `jax._src.interpreters.batching`: `primitive_batchers` (the batching rule table) and
+  `fancy_primitive_batchers` (see `carry_while_predicate`).
 - `jax._src.interpreters.mlir`: `register_lowering(..., cacheable=False)`,
   `LoweringRuleContext` (`tokens_in`, `set_tokens_out`, `replace`, `avals_in/out`,
   `name_stack`, `module_context.axis_context`), `TokenSet`, and `jaxpr_subcomp`,
@@ -50,6 +51,7 @@ __all__ = [
     "guard_dce_rules", "keep_alive_in_dce", "keep_in_partial_eval", "ordered_lowering",
     "chain_token", "set_chain_token", "program_devices", "jaxprs_in_params", "mark_jaxpr",
     "track_host_callbacks", "inside_host_callback", "exported_text", "call_exported_p",
+    "carry_while_predicate",
 ]
 
 Effect = effects.Effect
@@ -270,6 +272,55 @@ def program_devices(ctx: mlir.LoweringRuleContext) -> int:
     if n is None and getattr(axis, "mesh", None) is not None:
         n = axis.mesh.size
     return int(n or 1)
+
+
+def carry_while_predicate(cond_communicates: Callable) -> None:
+    """vmap of a `while_loop` whose condition communicates: batch an equivalent loop
+    that evaluates the condition at the end of the body and carries the predicate,
+    `p = cond(c); while any(p): c = where(p, body(c), c); p = where(p, cond(c), p)`.
+
+    JAX lowers a condition holding an ordered effect (vjpmpi's chain) by moving it
+    into the body, which drops the per-member select of a batched predicate: members
+    already done would go on iterating. Its batching rule for a carried predicate
+    (a condition with no collective) keeps the select, and the condition's
+    collectives then sit in the body, on the chain; every rank evaluates the
+    condition as often as before. Relies on `batching.fancy_primitive_batchers`,
+    `loops.while_p` and its params (`cond_jaxpr`, `body_jaxpr`, `cond_nconsts`,
+    `body_nconsts`), `batching.AxisData` (`size`, `name`, `spmd_name`) and
+    `core.eval_jaxpr`. Idempotent."""
+    import jax
+    from jax._src.lax.control_flow import loops
+
+    original = batching.fancy_primitive_batchers[loops.while_p]
+    if getattr(original, "vjpmpi_guard", False):
+        return
+
+    def rule(axis_data, args, dims, *, cond_nconsts, cond_jaxpr, body_nconsts, body_jaxpr):
+        if not cond_communicates(cond_jaxpr.jaxpr):
+            return original(axis_data, args, dims, cond_nconsts=cond_nconsts,
+                            cond_jaxpr=cond_jaxpr, body_nconsts=body_nconsts,
+                            body_jaxpr=body_jaxpr)
+
+        def loop(*vals):
+            cconsts = vals[:cond_nconsts]
+            bconsts = vals[cond_nconsts:cond_nconsts + body_nconsts]
+            init = vals[cond_nconsts + body_nconsts:]
+
+            def pred(carry):
+                return core.eval_jaxpr(cond_jaxpr.jaxpr, cond_jaxpr.consts, *cconsts, *carry)[0]
+
+            def body(state):
+                carry = core.eval_jaxpr(body_jaxpr.jaxpr, body_jaxpr.consts, *bconsts, *state[1])
+                return pred(carry), carry
+
+            return jax.lax.while_loop(lambda state: state[0], body, (pred(init), list(init)))[1]
+
+        outs = jax.vmap(loop, in_axes=tuple(dims), axis_size=axis_data.size,
+                        axis_name=axis_data.name, spmd_axis_name=axis_data.spmd_name)(*args)
+        return outs, [0] * len(outs)
+
+    rule.vjpmpi_guard = True
+    batching.fancy_primitive_batchers[loops.while_p] = rule
 
 
 # ----------------------------------------------------- outside the chain --

@@ -325,6 +325,17 @@ def _ref_while_cond(X, Z):
     return sum(np_on_rank0(X[r], V[r], r) for r in range(size)), V[rank], k
 
 
+def _vmap_while_cond(x, z):
+    # batched stopping test: the loop runs until every batch member is done
+    a, v, k = jax.vmap(_while_cond)(jnp.stack([x, 2 * x]), jnp.stack([z, 3 * z]))
+    return a, v, k
+
+
+def _ref_vmap_while_cond(X, Z):
+    outs = [_ref_while_cond([m * v for v in X], [n * v for v in Z]) for m, n in ((1, 1), (2, 3))]
+    return tuple(np.stack(o) for o in zip(*outs))
+
+
 PATTERNS = {
     "loop_then_top": (_loop_then_top, _ref_loop_then_top),
     "top_then_loop": (_top_then_loop, _ref_top_then_loop),
@@ -344,9 +355,10 @@ PATTERNS = {
     "vmap_cond_batched_predicate": (_vmap_cond, _ref_vmap_cond),
     "vmap_loop": (_vmap_loop, _ref_vmap_loop),
     "while_cond_collective": (_while_cond, _ref_while_cond),
+    "vmap_while_cond_collective": (_vmap_while_cond, _ref_vmap_while_cond),
 }
 # reverse mode does not go through while_loop: JVP there
-FORWARD_MODE_ONLY = {"while_cond_collective"}
+FORWARD_MODE_ONLY = {"while_cond_collective", "vmap_while_cond_collective"}
 
 
 def inputs():
