@@ -183,6 +183,13 @@ def main_part(quick):
         one = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
         one(x).block_until_ready()
         row["jit_call"] = median(repeat(lambda: one(x).block_until_ready(), n_ops), n_ops, reps)
+        # the same call with a loop of two allreduces before it: the token chain runs
+        # through the loop (program order across regions), three collectives per call
+        regions = jax.jit(lambda v: vjpmpi.allreduce(jax.lax.fori_loop(
+            0, 2, lambda i, c: vjpmpi.allreduce(c, MPI.MAX), v), MPI.SUM))
+        regions(x).block_until_ready()
+        row["jit_call_loop"] = median(repeat(lambda: regions(x).block_until_ready(), n_ops),
+                                      n_ops, reps)
         # eager calls with fresh MPI.Op / communicator objects every time
         vjpmpi.allreduce(x, MPI.SUM).block_until_ready()
         before = counter.count
