@@ -183,6 +183,11 @@ def main_part(quick):
         one = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
         one(x).block_until_ready()
         row["jit_call"] = median(repeat(lambda: one(x).block_until_ready(), n_ops), n_ops, reps)
+        # what JAX's dispatch alone costs on this machine: the same call, no collective
+        plain = jax.jit(lambda v: v * 2.0)
+        plain(x).block_until_ready()
+        row["jit_call_plain"] = median(repeat(lambda: plain(x).block_until_ready(), n_ops),
+                                       n_ops, reps)
         # the same call with a loop of two allreduces before it: the token chain runs
         # through the loop (program order across regions), three collectives per call
         regions = jax.jit(lambda v: vjpmpi.allreduce(jax.lax.fori_loop(
