@@ -216,6 +216,18 @@ def _lower(ctx, *args, spec: Collective, **params):
         if token is not None:
             jc.set_chain_token(ctx, ORDERED, token)
         return list(args)
+    platforms = set(ctx.module_context.platforms)
+    for other in sorted(platforms - {"cpu", "cuda"}):
+        raise NotImplementedError(
+            f"vjpmpi.{spec.name}: vjpmpi has no {_BACKEND_NAMES.get(other, other)} backend "
+            "(it has CPU and CUDA ones), so a program with collectives cannot be compiled for "
+            f"{_BACKEND_NAMES.get(other, other)}")
+    if "cuda" in platforms and _kernels.cuda is None:
+        raise NotImplementedError(
+            f"vjpmpi.{spec.name}: vjpmpi was built without its CUDA backend (no CUDA toolkit "
+            "was found at build time), so it cannot run on a GPU. Rebuild it on a machine "
+            "with the CUDA headers: VJPMPI_CUDA=1 pip install --no-cache-dir --force-reinstall "
+            "vjpmpi")
     devices = jc.program_devices(ctx)
     if devices > 1:
         raise NotImplementedError(
@@ -248,6 +260,9 @@ def _lower(ctx, *args, spec: Collective, **params):
     outs = rule(sub, *args, token, **attrs)
     jc.set_chain_token(ctx, ORDERED, outs[-1])
     return outs[:-1]
+
+
+_BACKEND_NAMES = {"rocm": "ROCm", "tpu": "TPU", "METAL": "Metal"}
 
 
 # ------------------------------------------------------------- batching --
@@ -336,9 +351,10 @@ def make_primitive(spec: Collective) -> tuple[core.Primitive, core.Primitive]:
         p.multiple_results = True
         p.def_impl(functools.partial(jc.dispatch.apply_primitive, p))
         # Not cacheable: each call site registers its own description (check, timeout).
-        jc.mlir.register_lowering(
-            p, functools.partial(_lower, spec=spec), platform="cpu", cacheable=False
-        )
+        # One rule for every platform (it says which it cannot serve): a multi-platform
+        # lowering then needs no per-platform switch, which JAX cannot build around an
+        # ordered effect.
+        jc.mlir.register_lowering(p, functools.partial(_lower, spec=spec), cacheable=False)
         jc.batching.primitive_batchers[p] = functools.partial(_batch, p, spec)
         ad.primitive_jvps[p] = functools.partial(_jvp, p, lin, spec)
         if spec.transpose is not None:
