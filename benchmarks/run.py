@@ -1,22 +1,26 @@
 """Run the whole benchmark suite and write the table, the plot and the target checks.
 
-    python benchmarks/run.py [--ranks 2] [--quick] [--out benchmarks/results]
+    python benchmarks/run.py [--ranks 2] [--quick] [--gpu | --gpu-only] [--out benchmarks/results]
 
-Runs `suite.py --part main` and `suite.py --part gloo` under mpiexec (each with a
-timeout), then writes OUT/results.md (tables, targets met or missed) and
-OUT/results.png. `--quick` uses tiny sizes and few repetitions (the smoke test).
+Runs the parts of `suite.py` under mpiexec (each with a timeout): main, gloo, check,
+net (shared memory off, every message over loopback TCP) and, with --gpu, gpu; then
+writes OUT/results.md (tables, targets met or missed) and OUT/results.png.
+`--quick` uses tiny sizes and few repetitions (the smoke test); `--gpu-only` runs the
+GPU part alone (what tests/gpu/run_on_gpu.sh runs).
 """
 
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+from _mpirun import launch, network_env  # noqa: E402  (the tests' launcher)
+
 ENV = {
     "JAX_PLATFORMS": "cpu",
     "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
@@ -28,11 +32,13 @@ ENV = {
 }
 
 
+GPU_ENV = {"JAX_PLATFORMS": "cuda,cpu", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
 def run_part(part, ranks, quick, timeout, workdir, env=None):
     path = Path(workdir) / f"{part}.json"
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    cmd = [str(mpiexec) if mpiexec.exists() else shutil.which("mpiexec"), "-n", str(ranks),
-           sys.executable, str(HERE / "suite.py"), "--part", part, "--json", str(path)]
+    cmd = [*launch(ranks), sys.executable, str(HERE / "suite.py"), "--part", part,
+           "--json", str(path)]
     if quick:
         cmd.append("--quick")
     proc = subprocess.Popen(cmd, env={**os.environ, **ENV, **(env or {})}, cwd=workdir, text=True,
@@ -203,13 +209,8 @@ def report(m, g, g_why):
                  [f"allreduce of {c['MiB']} MiB in a jitted loop (ms per op)",
                   ms(big["vjpmpi"]) if big else None, ms(c["allreduce_big"]),
                   c["allreduce_big"] / big["vjpmpi"] if big else None]]), ""]
-    if m.get("gpu"):
-        text += [f"## GPU buffers ({m['gpu']['device']}), jitted loop, per op", "",
-                 table(["mode", "op", "bytes", "time (us)", "GB/s"],
-                       [[r["mode"], r["op"], r["bytes"], us(r["time"]),
-                         r["bytes"] / r["time"] / 1e9] for r in m["gpu"]["rows"]]), ""]
-    elif m.get("gpu_why"):
-        text += ["## GPU buffers", "", f"Not run: {m['gpu_why']}", ""]
+    text += net_report(m.get("net"), m.get("net_why"))
+    text += gpu_report(m.get("gpu"), m.get("gpu_why"))
     text += ["## Competitors", "",
              f"- mpi4py {m.get('mpi4py', '')}: buffer API on preallocated NumPy arrays (floor).",
              "- io_callback(ordered=True) + mpi4py: latency table.",
@@ -222,6 +223,36 @@ def report(m, g, g_why):
              table(["target", "measured", "met"],
                    [[n, val, "yes" if ok else "**no**"] for n, val, ok in checks]), ""]
     return "\n".join(text), checks
+
+
+def net_report(n, why):
+    """The network-path section (shared memory off, loopback TCP)."""
+    if n is None:
+        return ["## Network path", "", f"Not run: {why}", ""] if why else []
+    env = " ".join(f"{k}={v}" for k, v in n["env"].items())
+    return [
+        f"## Network path: shared memory off ({n['ranks']} ranks, `{env}`)", "",
+        "Every message goes through the MPI library's network module over loopback TCP, "
+        "as between nodes, without the wire. Same measures as above: a jitted `fori_loop` "
+        "(latency: per op; bandwidth: marginal per op) against mpi4py's buffer API.", "",
+        table(["allreduce float32 elements", "mpi4py floor us", "vjpmpi fori us",
+               "fori / floor"],
+              [[r["elements"], us(r["floor"]), us(r["fori"]), r["fori"] / r["floor"]]
+               for r in n["latency"]]), "",
+        table(["op", "MiB", "mpi4py floor ms", "vjpmpi ms", "vjpmpi GB/s", "vjpmpi / floor"],
+              [[r["op"], r["MiB"], ms(r["floor"]), ms(r["vjpmpi"]),
+                r["MiB"] * (1 << 20) / r["vjpmpi"] / 1e9, r["vjpmpi"] / r["floor"]]
+               for r in n["bandwidth"]]), ""]
+
+
+def gpu_report(gpu, why):
+    """The GPU-buffers section (run.py --gpu)."""
+    if gpu is None:
+        return ["## GPU buffers", "", f"Not run: {why}", ""] if why else []
+    return [f"## GPU buffers ({gpu['device']}), jitted loop, per op", "",
+            table(["mode", "op", "bytes", "time (us)", "GB/s"],
+                  [[r["mode"], r["op"], r["bytes"], us(r["time"]),
+                    r["bytes"] / r["time"] / 1e9] for r in gpu["rows"]]), ""]
 
 
 def plot(m, g, path):
@@ -264,8 +295,21 @@ def main():
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--gpu", action="store_true", help="also time GPU buffers (CUDA)")
+    parser.add_argument("--gpu-only", action="store_true",
+                        help="time GPU buffers only (tests/gpu/run_on_gpu.sh)")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.gpu_only:
+        with tempfile.TemporaryDirectory() as work:
+            gpu, why = run_part("gpu", args.ranks, args.quick, 600, work, env=GPU_ENV)
+        text = "\n".join([f"# vjpmpi GPU benchmark ({args.ranks} ranks)", "",
+                          *gpu_report(gpu, why)])
+        (out / "results.md").write_text(text)
+        (out / "results.json").write_text(json.dumps({"gpu": gpu, "gpu_why": why}, indent=1))
+        print(text)
+        sys.exit(0 if gpu is not None else f"GPU benchmark failed: {why}")
     with tempfile.TemporaryDirectory() as work:
         m, m_why = run_part("main", args.ranks, args.quick, 300 if args.quick else 480, work)
         if m is None:
@@ -277,17 +321,15 @@ def main():
             sys.exit(f"benchmark of the mismatch check failed: {c_why}")
         gpu = gpu_why = None
         if args.gpu:
-            gpu, gpu_why = run_part("gpu", args.ranks, args.quick, 600, work,
-                                    env={"JAX_PLATFORMS": "cuda,cpu",
-                                         "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+            gpu, gpu_why = run_part("gpu", args.ranks, args.quick, 600, work, env=GPU_ENV)
+        net, net_why = run_part("net", args.ranks, args.quick, 300, work, env=network_env())
     m["check"] = c
     m["gpu"], m["gpu_why"] = gpu, gpu_why
+    m["net"], m["net_why"] = net, net_why
     import mpi4py
 
     m["mpi4py"] = mpi4py.__version__
     text, checks = report(m, g, g_why)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps({"main": m, "gloo": g, "gloo_why": g_why},
                                                  indent=1))

@@ -11,7 +11,8 @@ multi-process CPU collectives (`jax.distributed` + gloo + `psum` under
 `shard_map`); it runs in a job of its own because `jax.distributed` must be set
 up before JAX's CPU client exists. `check` repeats a few of `main`'s figures with
 the mismatch check on (VJPMPI_CHECK=1); `gpu` (with `run.py --gpu`) times GPU buffers in
-each CUDA mode. Every figure is the median of several
+each CUDA mode; `net` times latency and bandwidth with shared memory off (the
+network path, over loopback). Every figure is the median of several
 repetitions after warm-up, timed on rank 0 after a barrier. Rank 0 writes the
 figures as JSON; `run.py` turns them into the table, the plot and the targets.
 """
@@ -397,6 +398,43 @@ def gpu_part(quick):
     return {"device": str(dev), "rows": rows}
 
 
+# ------------------------------------------------------------------- network --
+def net_part(quick):
+    """Latency and bandwidth with shared memory off (run.py sets the environment), so
+    every message crosses MPI's network module over loopback TCP: the figures a job
+    spread over nodes sees, less the wire. vjpmpi in a jitted loop vs mpi4py."""
+    import vjpmpi
+    import jax.numpy as jnp
+
+    reps, n_ops, iters = (3, 20, 2) if quick else (5, 300, 10)
+    lat = []
+    for elems in LAT_ELEMS:
+        x_np, y_np = np.ones(elems, np.float32), np.empty(elems, np.float32)
+        lat.append({
+            "elements": elems,
+            "floor": median(repeat(lambda: COMM.Allreduce(x_np, y_np, op=MPI.SUM), n_ops),
+                            n_ops, reps),
+            "fori": timed(fori(lambda c: vjpmpi.allreduce(c, MPI.SUM) * (1.0 / SIZE), n_ops),
+                          jnp.asarray(x_np), n_ops, reps)})
+    bw = []
+    for mib in bw_sizes(quick)[:2]:  # 128 MiB over TCP would take minutes
+        n = mib * MIB // 4
+        floors = floor_ops(n)
+        x = jnp.ones(n, jnp.float32)
+        for op, fn in (("allreduce", lambda c: vjpmpi.allreduce(c, MPI.SUM)),
+                       ("bcast", lambda c: vjpmpi.bcast(c, 0))):
+            cases = {"floor": repeat(floors[op], iters)}
+            cases["vjpmpi1"], cases["vjpmpi3"] = loops(lambda k, fn=fn: fori(fn, k), x, iters)
+            t = interleaved(cases, reps)
+            bw.append({"op": op, "MiB": mib, "floor": t["floor"] / iters,
+                       "vjpmpi": max(t["vjpmpi3"] - t["vjpmpi1"], 1e-9) / (2 * iters)})
+    return {"ranks": SIZE, "env": {k: os.environ.get(k) for k in NET_VARS if k in os.environ},
+            "latency": lat, "bandwidth": bw}
+
+
+NET_VARS = ("MPIR_CVAR_NOLOCAL", "UCX_TLS", "OMPI_MCA_btl", "OMPI_MCA_pml")
+
+
 # ---------------------------------------------------------------------- gloo --
 def gloo_part(quick):
     port = None
@@ -446,11 +484,13 @@ def gloo_part(quick):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("main", "gloo", "check", "gpu"), default="main")
+    parser.add_argument("--part", choices=("main", "gloo", "check", "gpu", "net"),
+                        default="main")
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    part = {"main": main_part, "gloo": gloo_part, "check": check_part, "gpu": gpu_part}[args.part]
+    part = {"main": main_part, "gloo": gloo_part, "check": check_part, "gpu": gpu_part,
+            "net": net_part}[args.part]
     result = part(args.quick)
     if RANK == 0:
         with open(args.json, "w") as fh:

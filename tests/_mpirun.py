@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import signal
@@ -17,6 +18,10 @@ TESTS = ROOT / "tests"
 
 # Rank processes share 2 cores: keep each one single-threaded.
 RANK_ENV = {
+    # Open MPI refuses to start as root without these (CI containers run as root);
+    # MPICH ignores them
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
     "JAX_PLATFORMS": "cpu",
     "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
     "OMP_NUM_THREADS": "1",
@@ -34,6 +39,29 @@ def mpiexec() -> str:
     return found
 
 
+@functools.cache
+def mpi_family() -> str:
+    """'openmpi' or 'mpich', from what `mpiexec --version` says (no MPI started here)."""
+    out = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True, timeout=60)
+    return "openmpi" if "Open MPI" in out.stdout + out.stderr else "mpich"
+
+
+def launch(nprocs: int) -> list[str]:
+    """The mpiexec command line for `nprocs` ranks on this machine (oversubscribed)."""
+    extra = ["--oversubscribe"] if mpi_family() == "openmpi" else []
+    return [mpiexec(), *extra, "-n", str(nprocs)]
+
+
+def network_env() -> dict[str, str]:
+    """Environment that turns shared memory off, so every message (also between ranks
+    on one machine) goes through the MPI library's network module, over loopback TCP:
+    the closest one machine gets to several nodes."""
+    if mpi_family() == "openmpi":
+        return {"OMPI_MCA_btl": "self,tcp", "OMPI_MCA_pml": "ob1"}
+    # MPICH (ch4 over UCX): no local (shared-memory) path, and UCX over TCP only
+    return {"MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp"}
+
+
 @dataclasses.dataclass
 class Run:
     nprocs: int
@@ -49,7 +77,7 @@ class Run:
 def mpirun(nprocs: int, argv: list[str], timeout: float, env: dict | None = None) -> Run:
     """Run `python argv...` on `nprocs` ranks; kill the whole job after `timeout` s."""
     full_env = {**os.environ, **RANK_ENV, **(env or {})}
-    cmd = [mpiexec(), "-n", str(nprocs), sys.executable, *argv]
+    cmd = [*launch(nprocs), sys.executable, *argv]
     proc = subprocess.Popen(
         cmd, cwd=TESTS, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True, text=True,

@@ -36,6 +36,12 @@ def test_benchmark_suite_smoke(tmp_path):
     assert len(main["backward"]) == 6 and all(r["fwd"] > 0 and r["vg"] > 0
                                               for r in main["backward"])
     assert all(r["floor"] > 0 and r["vjpmpi"] > 0 for r in main["bandwidth"])
+    net = main["net"]
+    assert net is not None, main["net_why"]
+    assert [r["elements"] for r in net["latency"]] == [1, 16, 256]
+    assert {r["op"] for r in net["bandwidth"]} == {"allreduce", "bcast"}
+    assert net["env"] and all(r["vjpmpi"] > 0 and r["floor"] > 0 for r in net["bandwidth"])
     text = (tmp_path / "results.md").read_text()
+    assert "## Network path: shared memory off" in text
     assert "## Targets:" in text and "| target | measured | met |" in text
     assert (tmp_path / "results.png").stat().st_size > 10_000

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _mpirun import RANK_ENV, TESTS
+from _mpirun import RANK_ENV, ROOT, TESTS
 
 
 def python(code: str) -> subprocess.CompletedProcess:
@@ -25,7 +25,7 @@ def test_kernels_use_mpi4py_library():
         "print(_kernels.cpu.abi, MPI.get_vendor()[0])\n"
     )
     assert r.returncode == 0, r.stderr
-    abi, vendor = r.stdout.split()
+    abi, vendor = r.stdout.strip().split(maxsplit=1)
     assert (abi, vendor) in {("mpich", "MPICH"), ("mpich", "Intel MPI"), ("openmpi", "Open MPI")}
 
 
@@ -110,3 +110,87 @@ def test_source_tree_without_build_says_so(tmp_path):
                        capture_output=True, text=True, env={**os.environ, **RANK_ENV}, timeout=300)
     assert r.returncode != 0
     assert "compiled kernels are not in" in r.stderr and "pip install ." in r.stderr
+
+
+def test_jax_range_is_declared_once():
+    """pyproject.toml's JAX range, its build-time jaxlib (the FFI headers) and the range
+    vjpmpi warns outside of are the same; the installed JAX is inside it (CI runs both
+    ends, see .ci/run)."""
+    import tomllib
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    r = python("from vjpmpi import _versions, _kernels\n"
+               "import jax\n"
+               "print(*_versions.JAX_TESTED, jax.__version__, _kernels.cpu.jaxlib_headers)\n")
+    assert r.returncode == 0, r.stderr
+    low, high, installed, headers = r.stdout.split()
+    deps = meta["project"]["dependencies"]
+    assert f"jax>={low},<={high}" in deps and f"jaxlib>={low},<={high}" in deps, deps
+    assert f"jaxlib=={low}" in meta["build-system"]["requires"]
+    assert headers == low  # a pip build uses the oldest supported jaxlib's headers
+    v = lambda s: tuple(int(p) for p in s.split(".")[:3])  # noqa: E731
+    assert v(low) <= v(installed) <= v(high)
+
+
+@pytest.mark.parametrize("version", ["0.6.2", "0.11.0", "1.0.0.dev20270101"])
+def test_jax_outside_the_range_warns(version):
+    r = python(
+        "import warnings, jax\n"
+        f"jax.__version__ = {version!r}\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import vjpmpi\n"
+        "hits = [x for x in w if issubclass(x.category, vjpmpi.JaxVersionWarning)]\n"
+        "print(len(hits), hits[0].message if hits else '')\n"
+    )
+    assert r.returncode == 0, r.stderr
+    low, high = _tested_range()
+    assert r.stdout.startswith("1 "), r.stdout
+    assert f"tested with JAX {low} to {high}, but JAX {version} is installed" in r.stdout
+
+
+def test_jax_inside_the_range_does_not_warn():
+    r = python(
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import vjpmpi\n"
+        "print([str(x.message) for x in w if issubclass(x.category, vjpmpi.JaxVersionWarning)])\n"
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_kernels_built_against_newer_jaxlib_is_a_clear_import_error():
+    """XLA refuses FFI handlers compiled against a newer jaxlib than itself, and says so
+    only when the CPU client starts; vjpmpi says it at import, with the fix."""
+    r = python(
+        "import jax, jaxlib.version  # (jax checks jaxlib at its own import)\n"
+        "jaxlib.version.__version__ = '0.6.0'\n"
+        "import vjpmpi\n"
+    )
+    assert r.returncode != 0
+    assert "ImportError: vjpmpi's kernels were compiled against the XLA FFI headers of " \
+           "jaxlib" in r.stderr
+    assert "but jaxlib 0.6.0 is installed" in r.stderr and "--no-build-isolation" in r.stderr
+
+
+def _tested_range():
+    r = python("from vjpmpi import _versions; print(*_versions.JAX_TESTED)")
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+@pytest.mark.skipif(not os.environ.get("VJPMPI_OTHER_LIBMPI"),
+                    reason="VJPMPI_OTHER_LIBMPI (another MPI family's libmpi) not set; "
+                           ".ci/run sets it in its Open MPI environment")
+def test_other_mpi_family_at_run_time_is_a_clear_import_error():
+    """mpi4py made to load the other family's libmpi (MPICH's under Open MPI kernels):
+    the kernels cannot run on it, and importing vjpmpi says so instead of crashing."""
+    r = subprocess.run(
+        [sys.executable, "-c", "import vjpmpi"], cwd=TESTS, capture_output=True, text=True,
+        timeout=300,
+        env={**os.environ, **RANK_ENV, "MPI4PY_LIBMPI": os.environ["VJPMPI_OTHER_LIBMPI"]})
+    assert r.returncode != 0
+    assert "ImportError: vjpmpi's kernels and mpi4py use different MPI libraries" in r.stderr, \
+        r.stderr[-3000:]

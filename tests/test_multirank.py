@@ -1,20 +1,33 @@
-"""Run the multi-rank suite (tests/mpi) at 1, 2, 3 and 4 ranks, each in its own mpiexec."""
+"""Run the multi-rank suite (tests/mpi) at 1, 2, 3 and 4 ranks, each in its own mpiexec.
 
+The platform runs of `.ci/run` select with the environment:
+  VJPMPI_TEST_RANKS   rank counts, e.g. "2" (default "1,2,3,4")
+  VJPMPI_TEST_FILES   the part of tests/mpi to run, e.g. "mpi/test_collectives.py"
+                      (default: all of it)
+  VJPMPI_TEST_NETWORK "1": every message through MPI's network module over loopback
+                      (shared memory off; `_mpirun.NETWORK_ENV`)
+"""
+
+import os
 import re
 
 import pytest
 
-from _mpirun import mpirun
+from _mpirun import mpirun, network_env
 
 TIMEOUT = 900  # seconds per rank count; a deadlock fails the run instead of hanging CI
+RANKS = [int(n) for n in os.environ.get("VJPMPI_TEST_RANKS", "1,2,3,4").split(",")]
+FILES = os.environ.get("VJPMPI_TEST_FILES", "mpi").split()
+NETWORK = os.environ.get("VJPMPI_TEST_NETWORK", "") not in ("", "0")
 
 
-@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+@pytest.mark.parametrize("nprocs", RANKS)
 def test_suite(nprocs):
     run = mpirun(
         nprocs,
-        ["-m", "pytest", "mpi", "-q", "-p", "no:cacheprovider", "-x"],
-        timeout=TIMEOUT,
+        ["-m", "pytest", *FILES, "-q", "-p", "no:cacheprovider", "-x"],
+        timeout=TIMEOUT * (2 if NETWORK else 1),
+        env=network_env() if NETWORK else None,
     )
     assert not run.timed_out and run.returncode == 0, (
         f"multi-rank suite failed at {nprocs} ranks\n" + run.describe()

@@ -1,6 +1,11 @@
 """vjpmpi: strictly ordered, differentiable MPI collectives for JAX (XLA FFI kernels)."""
 
-from ._dispatch import OrderingWarning as OrderingWarning
+from ._versions import JaxVersionWarning as JaxVersionWarning
+from ._versions import check_jax as _check_jax
+
+_check_jax()
+
+from ._dispatch import OrderingWarning as OrderingWarning  # noqa: E402
 from ._dispatch import ensure_synchronous_cpu_dispatch as _ensure_sync
 
 _ensure_sync()

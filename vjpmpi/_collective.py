@@ -161,7 +161,28 @@ def _mark(jaxpr: core.Jaxpr) -> core.Jaxpr:
     return jc.mark_jaxpr(jaxpr, ORDERED, _PRIMITIVES.__contains__, contains_collective, _marked)
 
 
-jc.ordered_lowering(ORDERED, _mark, contains_collective)
+def _first_collective(jaxpr: core.Jaxpr) -> str | None:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in _PRIMITIVES:
+            return eqn.primitive.name.removeprefix("vjpmpi_").removesuffix("_lin")
+        for j in jc.jaxprs_in_params(eqn.params):
+            found = _first_collective(j)
+            if found:
+                return found
+    return None
+
+
+def _unchained(name: str | None, where) -> NotImplementedError:
+    """The error for a collective that a JAX construct lowers without the chain's token."""
+    return NotImplementedError(
+        f"vjpmpi.{name or 'collective'}: collective lowered outside vjpmpi's ordering chain "
+        f"(in '{where}'): a JAX construct around it does not pass XLA tokens on, so its "
+        "order against the program's other collectives could differ between ranks. Please "
+        "report this with the construct used.")
+
+
+jc.ordered_lowering(ORDERED, _mark, contains_collective,
+                    lambda jaxpr, where: _unchained(_first_collective(jaxpr), where))
 jc.carry_while_predicate(contains_collective)
 
 
@@ -237,11 +258,7 @@ def _lower(ctx, *args, spec: Collective, **params):
             "device per MPI rank (see vjpmpi.local_device()).")
     token = jc.chain_token(ctx, ORDERED)
     if token is None:
-        raise NotImplementedError(
-            f"vjpmpi.{spec.name}: collective lowered outside vjpmpi's ordering chain (in "
-            f"'{ctx.name_stack}'): a JAX construct around it does not pass XLA tokens on, "
-            "so its order against the program's other collectives could differ between "
-            "ranks. Please report this with the construct used.")
+        raise _unchained(spec.name, ctx.name_stack)
     aliases = {}
     if spec.alias is not None:
         i, j = spec.alias

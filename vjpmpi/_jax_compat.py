@@ -115,7 +115,7 @@ def keep_traced_equations(communicates: Callable) -> None:
     """Jaxpr tracing with auto-DCE (JAX's linearize / vjp tangent traces) holds
     effect-free equations weakly and forgets those whose outputs die; hold the ones
     that communicate strongly, as JAX does for effectful equations. Idempotent.
-    Relies on `pe.JaxprStackFrame.add_eqn` and its `auto_dce` / `tracing_eqns`."""
+    Relies on `pe.JaxprStackFrame.add_eqn` keeping every equation while `auto_dce` is off."""
     frame = pe.JaxprStackFrame
     if getattr(frame.add_eqn, "vjpmpi_guard", False):
         return
@@ -123,7 +123,11 @@ def keep_traced_equations(communicates: Callable) -> None:
 
     def add_eqn(self, eqn):
         if self.auto_dce and not eqn.effects and communicates(eqn):
-            self.tracing_eqns.append(eqn)
+            self.auto_dce = False  # JAX stores the equation strongly, as it does then
+            try:
+                original(self, eqn)
+            finally:
+                self.auto_dce = True
         else:
             original(self, eqn)
 
@@ -144,8 +148,7 @@ def keep_in_partial_eval(prim: core.Primitive) -> None:
     def rule(trace, *tracers, **params):
         known = [t.pval.get_known() for t in tracers]
         if all(k is not None for k in known):
-            return prim.bind_with_trace(trace.parent_trace, known,
-                                        tuple(t.aval for t in tracers), params)
+            return trace.parent_trace.process_primitive(prim, known, params)
         tracers = [trace.instantiate_const(t) for t in tracers]
         out_avals, effs = prim.abstract_eval(*[t.aval for t in tracers], **params)
         outs = [pe.JaxprTracer(trace, pe.PartialVal.unknown(a), None) for a in out_avals]
@@ -211,7 +214,8 @@ class _Chains(threading.local):
 _chains = _Chains()
 
 
-def ordered_lowering(effect, mark: Callable, contains: Callable) -> None:
+def ordered_lowering(effect, mark: Callable, contains: Callable,
+                     unchained: Callable) -> None:
     """Make JAX's lowering thread one XLA token for `effect` through a whole module.
 
     Wraps `mlir.jaxpr_subcomp`, the function that lowers every jaxpr (a module's main
@@ -224,7 +228,9 @@ def ordered_lowering(effect, mark: Callable, contains: Callable) -> None:
     loop carries, branch operands and results, and call arguments and results, as
     they do for `io_callback(ordered=True)`; the last token is dropped at the end of
     the main function, so the compiled program takes and returns no token and keeps
-    JAX's fast dispatch. Relies on `jaxpr_subcomp`'s signature
+    JAX's fast dispatch. A jaxpr with a collective lowered inside the chain without
+    the token (a construct that does not pass tokens on) raises
+    `unchained(jaxpr, name_stack)`, on every JAX version. Relies on `jaxpr_subcomp`'s signature
     `(ctx, jaxpr, name_stack, tokens, consts, *args, **kw) -> (outs, tokens)`,
     `ctx.module`, `mlir.TokenSet` and on every JAX rule looking the function up as
     `mlir.jaxpr_subcomp` / a module global at call time. Idempotent."""
@@ -234,10 +240,16 @@ def ordered_lowering(effect, mark: Callable, contains: Callable) -> None:
 
     def jaxpr_subcomp(ctx, jaxpr, name_stack, tokens, consts, *args, **kwargs):
         module = ctx.module
-        start = (effect not in tokens.effects() and contains(jaxpr)
-                 and not any(m is module for m in _chains.modules))
-        if not start:
+        chained = any(m is module for m in _chains.modules)
+        if effect in tokens.effects() or not contains(jaxpr):
             return original(ctx, jaxpr, name_stack, tokens, consts, *args, **kwargs)
+        if chained:  # a construct lowers a marked jaxpr without passing the token on
+            try:
+                return original(ctx, jaxpr, name_stack, tokens, consts, *args, **kwargs)
+            except KeyError as err:  # (JAX < 0.8 looks the missing token up itself)
+                if err.args != (effect,):
+                    raise
+                raise unchained(jaxpr, name_stack) from None
         tokens = mlir.TokenSet({**dict(tokens.items()), effect: hlo.create_token()})
         _chains.modules.append(module)
         try:
@@ -248,6 +260,7 @@ def ordered_lowering(effect, mark: Callable, contains: Callable) -> None:
         return outs, mlir.TokenSet({e: t for e, t in tokens_out.items() if e is not effect})
 
     jaxpr_subcomp.vjpmpi_guard = True
+    jaxpr_subcomp.__wrapped__ = original
     mlir.jaxpr_subcomp = jaxpr_subcomp
 
 

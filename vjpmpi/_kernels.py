@@ -8,6 +8,8 @@ from pathlib import Path
 import jax
 from mpi4py import MPI  # loads libmpi before the kernels resolve against it
 
+from ._versions import check_ffi_headers
+
 _MISMATCH = """\
 vjpmpi's kernels and mpi4py use different MPI libraries.
   kernels built for: {built} ABI, runtime library: {ours}
@@ -34,6 +36,8 @@ except ImportError as err:  # typically: libmpi.so.N of another MPI family
 def _first_line(s: str) -> str:
     return s.strip().splitlines()[0] if s.strip() else "?"
 
+
+check_ffi_headers(cpu.jaxlib_headers)
 
 _ours, _theirs = cpu.library_version(), MPI.Get_library_version()
 if _ours.strip() != _theirs.strip():

@@ -15,6 +15,7 @@ ranks, and its compiled HLO (`jit(f).lower(...).compile().as_text()`) for one ch
 of data dependencies through all collectives (`hlo_order`).
 """
 
+import inspect
 import os
 
 import jax
@@ -589,10 +590,13 @@ def test_construct_without_tokens_is_an_error():
     opaque_p.def_abstract_eval(lambda *a, jaxpr: jaxpr.out_avals)
 
     def lowering(ctx, *args, jaxpr):
+        # the keywords this JAX's jaxpr_subcomp takes (they changed between releases)
+        known = inspect.signature(inspect.unwrap(mlir.jaxpr_subcomp)).parameters
+        extra = {k: v for k, v in (("const_lowering", getattr(ctx, "const_lowering", None)),
+                                   ("outer_traceback", None)) if k in known}
         outs, _ = mlir.jaxpr_subcomp(ctx.module_context, jaxpr.jaxpr, ctx.name_stack,
                                      mlir.TokenSet(), [], *args,
-                                     dim_var_values=ctx.dim_var_values,
-                                     const_lowering=ctx.const_lowering, outer_traceback=None)
+                                     dim_var_values=ctx.dim_var_values, **extra)
         return outs
 
     mlir.register_lowering(opaque_p, lowering)

@@ -306,6 +306,8 @@ void DefineCommon(nb::module_& m) {
   m.attr("mpi_version") =
       nb::str((std::to_string(MPI_VERSION) + "." + std::to_string(MPI_SUBVERSION)).c_str());
   m.attr("status_size") = nb::int_(static_cast<int64_t>(sizeof(MPI_Status)));
+  // The jaxlib whose XLA FFI headers this module was compiled against.
+  m.attr("jaxlib_headers") = nb::str(VJPMPI_JAXLIB_HEADERS);
 }
 
 }  // namespace
