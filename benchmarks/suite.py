@@ -432,7 +432,7 @@ def net_part(quick):
             "latency": lat, "bandwidth": bw}
 
 
-NET_VARS = ("MPIR_CVAR_NOLOCAL", "UCX_TLS", "OMPI_MCA_btl", "OMPI_MCA_pml")
+NET_VARS = ("MPIR_CVAR_NOLOCAL", "MPIR_CVAR_CH4_NETMOD", "FI_PROVIDER", "OMPI_MCA_btl", "OMPI_MCA_pml")
 
 
 # ---------------------------------------------------------------------- gloo --

@@ -58,8 +58,10 @@ def network_env() -> dict[str, str]:
     the closest one machine gets to several nodes."""
     if mpi_family() == "openmpi":
         return {"OMPI_MCA_btl": "self,tcp", "OMPI_MCA_pml": "ob1"}
-    # MPICH (ch4 over UCX): no local (shared-memory) path, and UCX over TCP only
-    return {"MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp"}
+    # MPICH: no local (shared-memory) path, and the OFI network module over its TCP
+    # provider. (The wheel's default UCX module loses MPI_ANY_SOURCE messages when
+    # MPIR_CVAR_NOLOCAL=1 at 4 ranks; plain mpi4py shows it, so it is not vjpmpi's.)
+    return {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 
 
 @dataclasses.dataclass
