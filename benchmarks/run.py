@@ -97,9 +97,10 @@ def report(m, g, g_why):
               f"{r['fori'] / r['floor']:.2f}x", r["fori"] <= 1.1 * r["floor"])
         check(f"one jitted call with one allreduce, {e} elements <= 25 us",
               f"{us(r['jit_call']):.1f} us", us(r["jit_call"]) <= 25)
-        check(f"eager allreduce, {e} elements <= 50 us, no recompiles",
-              f"{us(r['eager']):.1f} us, {r['eager_recompiles']} recompiles",
-              us(r["eager"]) <= 50 and r["eager_recompiles"] == 0)
+        check(f"eager allreduce, {e} elements <= 2x the jitted call, no recompiles",
+              f"{r['eager'] / r['jit_call']:.2f}x ({us(r['eager']):.1f} us), "
+              f"{r['eager_recompiles']} recompiles",
+              r["eager"] <= 2 * r["jit_call"] and r["eager_recompiles"] == 0)
     text += ["## Latency: allreduce(SUM) of float32, microseconds per op", "",
              "`fori`: N dependent ops in one jitted `fori_loop`; `jit call`: a jitted function "
              "holding one allreduce, called from Python (`no collective`: the same call "

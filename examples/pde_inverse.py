@@ -6,7 +6,7 @@
 A global N x N periodic grid is split into blocks over a 2-D Cartesian
 communicator. Each rank advances its block with an explicit 5-point diffusion
 step, exchanging one layer of halo cells with its four neighbours through
-`vjpmpi.sendrecv`, for many steps inside a checkpointed `lax.scan`.
+`vjpmpi.nn.HaloExchange` (pairs of `vjpmpi.sendrecv`), for many steps inside a checkpointed `lax.scan`.
 `jax.grad` differentiates straight through the halo exchanges (their transposes
 are the reverse exchanges), so the initial condition can be recovered from the
 final state by gradient descent on the globally summed misfit.
@@ -17,6 +17,7 @@ initial condition was recovered.
 """
 
 import vjpmpi  # first: vjpmpi sets JAX's CPU dispatch up before any array exists
+import vjpmpi.nn
 
 import argparse
 import time
@@ -74,30 +75,6 @@ class Decomposition:
 
 
 # -------------------------------------------------------- distributed solver --
-def make_halo(cart):
-    """A differentiable exchange that pads a local block with one layer of neighbour cells."""
-    shifts = [cart.Shift(axis, 1) for axis in (0, 1)]  # (lower neighbour, upper neighbour)
-
-    def exchange(u, axis):
-        lower, upper = shifts[axis]
-        first = jax.lax.slice_in_dim(u, 0, 1, axis=axis)
-        last = jax.lax.slice_in_dim(u, u.shape[axis] - 1, u.shape[axis], axis=axis)
-        # Ghost below: the lower neighbour's last layer (everyone sends its last one up).
-        below = vjpmpi.sendrecv(last, first, source=lower, dest=upper,
-                                sendtag=2 * axis, recvtag=2 * axis, comm=cart)
-        # Ghost above: the upper neighbour's first layer (everyone sends its first one down).
-        above = vjpmpi.sendrecv(first, last, source=upper, dest=lower,
-                                sendtag=2 * axis + 1, recvtag=2 * axis + 1, comm=cart)
-        return jnp.concatenate([below, u, above], axis=axis)
-
-    @vjpmpi.ordered_collective
-    def halo(u):
-        # Axis 1 pads the already padded array, so the corner ghosts are filled too.
-        return exchange(exchange(u, 0), 1)
-
-    return halo
-
-
 def laplacian_padded(p):
     """5-point Laplacian of the interior of a halo-padded block."""
     return (p[:-2, 1:-1] + p[2:, 1:-1] + p[1:-1, :-2] + p[1:-1, 2:]) - 4 * p[1:-1, 1:-1]
@@ -105,7 +82,9 @@ def laplacian_padded(p):
 
 def make_distributed_simulate(cart, steps: int):
     """u0 (local block) -> u(steps) (local block), halo exchanges every step."""
-    halo = make_halo(cart)
+    # One layer of neighbour cells around the block (corners too), differentiable: the
+    # library's halo layer, built on vjpmpi.sendrecv inside an ordered collective.
+    halo = vjpmpi.nn.HaloExchange(cart, width=1)
 
     @jax.checkpoint
     def step(u, _):

@@ -30,8 +30,14 @@ _PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parent)
 _LIBRARY_DIRS = tuple(str(pathlib.Path(m.__file__).resolve().parent)
                       for m in (jax, np)) + (_PACKAGE_DIR, "<frozen")
 
-# Static parameters every collective primitive carries (unused ones are 0).
-PARAMS = ("comm", "red", "root", "peer", "peer2", "tag", "tag2", "status")
+# The attributes every FFI handler takes (csrc/vjpmpi_handlers.h), besides `comm`
+# and `site`. A primitive carries only the parameters its spec declares; each maps
+# onto one of these, the others are lowered as 0.
+FFI_ATTRS = ("red", "root", "peer", "peer2", "tag", "tag2", "status")
+
+# How a call-site description (VJPMPI_CHECK, VJPMPI_TIMEOUT) shows a parameter.
+_DESCRIBE = {"red": lambda v: RED_NAMES[v], "root": "root={}".format,
+             "dest": "dest={}".format, "source": "source={}".format}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +47,8 @@ class Collective:
     **Arguments:**
 
     - `name`: primitive name suffix and FFI target (`vjpmpi_<name>`).
+    - `params`: the static parameters besides `comm`, each `name: FFI attribute`
+      (one of `FFI_ATTRS`); the primitive carries exactly these.
     - `out_avals`: `(params, *in_avals) -> list of output avals`.
     - `alias`: `(operand, result)` that may share a buffer (in place), or None.
     - `rank_axis`: `params -> (input_has_rank_axis, output_has_rank_axis)`: whether
@@ -56,6 +64,7 @@ class Collective:
 
     name: str
     out_avals: Callable[..., list[core.ShapedArray]]
+    params: dict[str, str] = dataclasses.field(default_factory=dict)
     alias: tuple[int, int] | None = None
     rank_axis: Callable[[dict], tuple[bool, bool]] = lambda params: (False, False)
     target: str | None = dataclasses.field(default="", compare=False)
@@ -209,20 +218,12 @@ def _user_frame() -> str:
 
 def _site(ctx, spec: Collective, params) -> int:
     """Register a description of this call site with the kernels (check/timeout on)."""
-    name = spec.ffi_target()
-    detail = []
-    if name in ("allreduce", "reduce", "reduce_scatter", "scan", "exscan"):
-        detail.append(RED_NAMES[params["red"]])
-    if name in ("reduce", "bcast", "gather", "scatter"):
-        detail.append(f"root={params['root']}")
-    if name in ("send", "sendrecv"):
-        detail.append(f"dest={params['peer']}")
-    if name in ("recv", "sendrecv"):
-        detail.append(f"source={params['peer2']}")
+    detail = [_DESCRIBE[k](params[k]) for k in spec.params if k in _DESCRIBE]
     avals = ", ".join(f"{a.dtype}{list(a.shape)}" for a in ctx.avals_in)
     stage = " [backward]" if "transpose" in str(ctx.name_stack) else ""
     return _kernels.register_site(
-        f"{name}({', '.join(detail)}) on {avals or 'no data'}{stage} at {_user_frame()}")
+        f"{spec.ffi_target()}({', '.join(detail)}) on {avals or 'no data'}{stage} at "
+        f"{_user_frame()}")
 
 
 def _lower(ctx, *args, spec: Collective, **params):
@@ -272,7 +273,9 @@ def _lower(ctx, *args, spec: Collective, **params):
         avals_in=[*ctx.avals_in, core.abstract_token],
         avals_out=[*ctx.avals_out, core.abstract_token],
     )
-    attrs = {k: _int64(params[k].handle if k == "comm" else params[k]) for k in PARAMS}
+    attrs = dict.fromkeys(FFI_ATTRS, np.int64(0))
+    attrs.update({attr: _int64(params[k]) for k, attr in spec.params.items()})
+    attrs["comm"] = _int64(params["comm"].handle)
     attrs["site"] = np.int64(_site(ctx, spec, params) if _kernels.CHECK or _kernels.TIMEOUT else 0)
     outs = rule(sub, *args, token, **attrs)
     jc.set_chain_token(ctx, ORDERED, outs[-1])
@@ -393,9 +396,23 @@ _IN_CALLBACK = (
     "collectives on different ranks. Call vjpmpi in the traced program instead.")
 
 
+# Eager calls: one jitted function per (primitive, parameters), kept, so that a call
+# outside any trace goes straight to JAX's compiled-call fast path (by shape and
+# dtype) instead of dispatching the primitive on its own.
+_EAGER: dict = {}
+_EAGER_MAX = 512
+
+
 def bind(prim: core.Primitive, args: Sequence, comm: CommRef, **params) -> list:
+    """Bind `prim` on `args` with its static parameters (exactly those its spec declares)."""
     if jc.inside_host_callback():
         raise RuntimeError(_IN_CALLBACK.format(op=prim.name.removeprefix("vjpmpi_")))
-    full = dict.fromkeys(PARAMS, 0)
-    full.update(params, comm=comm)
-    return prim.bind(*args, **full)
+    if not core.trace_state_clean():
+        return prim.bind(*args, comm=comm, **params)
+    key = (prim, comm, *params.items())
+    call = _EAGER.get(key)
+    if call is None:
+        if len(_EAGER) >= _EAGER_MAX:  # e.g. a fresh MPI.Status object on every call
+            _EAGER.clear()
+        call = _EAGER[key] = jax.jit(functools.partial(prim.bind, comm=comm, **params))
+    return call(*args)

@@ -26,6 +26,12 @@ class CommRef:
     rank: int
     comm: Any = dataclasses.field(compare=False, hash=False, repr=False)
 
+    def __post_init__(self):  # hashed on every eager call: once is enough
+        object.__setattr__(self, "_hash", hash((self.handle, self.size, self.rank)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     def __repr__(self) -> str:
         return f"CommRef(handle={self.handle:#x}, size={self.size}, rank={self.rank})"
 
@@ -51,10 +57,21 @@ def default_comm() -> MPI.Intracomm:
         return _default.comm
 
 
+# Validated communicators by handle (eager calls validate on every call: keep it cheap).
+# An entry is used only for the very object it was made from: a freed communicator's
+# object has the null handle, and a new object with a reused handle is validated anew.
+_checked: dict[int, CommRef] = {}
+
+
 def as_comm(comm: Any, op: str) -> CommRef:
     """Validate `comm` for op `op` and return its static record."""
     if comm is None:
-        comm = default_comm()
+        comm = _default.comm if _default is not None else default_comm()
+    ref = _checked.get(getattr(comm, "handle", None))
+    if ref is not None and ref.comm is comm:
+        if MPI.Is_finalized():
+            raise RuntimeError(f"vjpmpi.{op}: MPI has been finalized; no collective can run")
+        return ref
     if not isinstance(comm, MPI.Comm):
         raise TypeError(
             f"vjpmpi.{op}: argument 'comm' must be an mpi4py intracommunicator or None, "
@@ -70,10 +87,13 @@ def as_comm(comm: Any, op: str) -> CommRef:
         raise TypeError(
             f"vjpmpi.{op}: argument 'comm' must be an intracommunicator, got an intercommunicator"
         )
-    # A fresh record each time: it compares by (handle, size, rank), so caches keyed
-    # on it still hit, and `.comm` is always the live communicator (a freed one's
-    # handle may be reused by a new communicator).
-    return CommRef(comm.handle, comm.Get_size(), comm.Get_rank(), comm)
+    # The record compares by (handle, size, rank), so caches keyed on it hit for every
+    # object of the same communicator; `.comm` is the object it was validated from.
+    ref = CommRef(comm.handle, comm.Get_size(), comm.Get_rank(), comm)
+    if len(_checked) > 256:
+        _checked.clear()
+    _checked[ref.handle] = ref
+    return ref
 
 
 # Reduction codes; the C++ enum `Red` in csrc/vjpmpi_mpi.h uses the same numbers.

@@ -10,11 +10,12 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from ._collective import PARAMS, Collective, bind, make_primitive
+from ._collective import Collective, bind, make_primitive
 from ._jax_compat import ad, core
 from ._mpi import MAX, MIN, PROD, RED_NAMES, SUM, as_comm, as_red, check_dtype, check_red_dtype
 
@@ -50,12 +51,13 @@ def _scatter_out(params, x):
 # Each is the adjoint of the global linear map the forward computes, with the
 # inner product summed over ranks (the dot-product tests are the judge).
 def _call(name, x, params, *, tangent=False, **changes):
-    """Bind collective `name` on `x` (or a list of operands) with params of the caller;
-    `tangent=True` binds its linearized twin (for tangents inside a JVP rule)."""
-    full = {k: params[k] for k in PARAMS}
-    full.update(changes)
+    """Bind collective `name` on `x` (or a list of operands); its parameters are `changes`,
+    else the caller's `params` of the same name. `tangent=True` binds its linearized twin
+    (for tangents inside a JVP rule)."""
+    full = {k: changes[k] if k in changes else params[k] for k in ("comm", *SPECS[name].params)}
     prim = (LINEARIZED if tangent else PRIMITIVES)[name]
-    return prim.bind(*(x if isinstance(x, list) else [x]), **full)[0]
+    outs = prim.bind(*(x if isinstance(x, list) else [x]), **full)
+    return outs[0] if outs else None
 
 
 def _zeros(arg):
@@ -102,33 +104,36 @@ def _t_exscan(cts, args, p):  # exclusive suffix sum: sum_{r > s} = total - sum_
 
 
 def _transposed_source(p, op):
-    if p["peer2"] == MPI.ANY_SOURCE:
+    if p["source"] == MPI.ANY_SOURCE:
         raise ValueError(
             f"vjpmpi.{op}: differentiating a receive needs an explicit 'source' "
             "(MPI.ANY_SOURCE names no rank to send the cotangent back to)"
         )
-    return p["peer2"]
+    return p["source"]
+
+
+def _back_tag(p, key):
+    """The tag a cotangent travels back with: the receive's tag (0 for MPI.ANY_TAG)."""
+    return 0 if p[key] == MPI.ANY_TAG else p[key]
 
 
 def _t_send(cts, args, p):  # the cotangent comes back from dest
     (x,) = args
-    return [_call("recv", _zeros(x), p, peer2=p["peer"], tag2=MPI.ANY_TAG, status=0)]
+    return [_call("recv", _zeros(x), p, source=p["dest"], tag=MPI.ANY_TAG, status=0)]
 
 
 def _t_recv(cts, args, p):  # send the cotangent back to source; PROC_NULL keeps the template
     (ct,) = cts
     source = _transposed_source(p, "recv")
-    tag = 0 if p["tag2"] == MPI.ANY_TAG else p["tag2"]
-    PRIMITIVES["send"].bind(ct, **{**{k: p[k] for k in PARAMS}, "peer": source, "tag": tag})
+    _call("send", ct, p, dest=source, tag=_back_tag(p, "tag"))
     return _only_linear(args, [ct if source == MPI.PROC_NULL else jnp.zeros_like(ct)])
 
 
 def _t_sendrecv(cts, args, p):  # sendrecv with the peers swapped
     (ct,) = cts
     source = _transposed_source(p, "sendrecv")
-    tag = 0 if p["tag2"] == MPI.ANY_TAG else p["tag2"]
-    send_ct = _call("sendrecv", [ct, _zeros(args[0])], p, peer=source, peer2=p["peer"],
-                    tag=tag, tag2=MPI.ANY_TAG, status=0)
+    send_ct = _call("sendrecv", [ct, _zeros(args[0])], p, dest=source, source=p["dest"],
+                    sendtag=_back_tag(p, "recvtag"), recvtag=MPI.ANY_TAG, status=0)
     tmpl_ct = ct if source == MPI.PROC_NULL else jnp.zeros_like(ct)
     return _only_linear(args, [send_ct, tmpl_ct])
 
@@ -138,9 +143,11 @@ def _partner(name, **changes):
 
 
 # --------------------------------------------- nonlinear reductions (JVP) --
-def _reduction_jvp(name):
+def _reduction_jvp(ranks, block=False):
     """JVP of MAX/MIN/PROD reductions from every rank's (value, tangent).
 
+    `ranks(params)`: the ranks whose values this rank's result reduces (a slice; None:
+    the result is this rank's own input); `block`: each rank's result is block `rank`.
     MAX/MIN: the tangent of the tied extremal ranks, averaged (ties split equally).
     PROD: sum over ranks of tangent times the product of the *other* ranks' values
     (exclusive products from both sides, so zeros need no division).
@@ -148,20 +155,17 @@ def _reduction_jvp(name):
 
     def jvp(primals, tangents, p):
         (x,), (t,) = primals, tangents
-        rank, size = p["comm"].rank, p["comm"].size
+        rank = p["comm"].rank
         xs = _call("allgather", x, p)  # forward: every rank's values
         ts = _call("allgather", ad.instantiate_zeros(t), p, tangent=True)  # -> reduce_scatter
-        if name == "reduce_scatter":
+        if block:
             xs, ts = xs[:, rank], ts[:, rank]
-        elif name == "scan":
-            xs, ts = xs[: rank + 1], ts[: rank + 1]
-        elif name == "exscan":
-            if rank == 0:  # the identity of the op: constant
-                return [jnp.zeros_like(ts[0])]
-            xs, ts = xs[:rank], ts[:rank]
-        elif name == "reduce" and not _is_root(p):
+        sel = ranks(p)
+        if sel is None:
             return [ts[rank]]
-        return [_local_reduction_jvp(p["red"], xs, ts)]
+        if len(range(*sel.indices(len(xs)))) == 0:  # the identity of the op: constant
+            return [jnp.zeros_like(ts[0])]
+        return [_local_reduction_jvp(p["red"], xs[sel], ts[sel])]
 
     return jvp
 
@@ -186,41 +190,58 @@ def _sum_linear(p):
     return p["red"] == SUM
 
 
-def _reduction(name, out_avals, **kw):
-    return Collective(name, out_avals, alias=kw.pop("alias", (0, 0)), linear=_sum_linear,
-                      nonlinear_jvp=_reduction_jvp(name), **kw)
+_RED = {"red": "red"}
+_ROOT = {"root": "root"}
+
+
+def _all_ranks(p):
+    return slice(None)
+
+
+def _reduction_spec(name, out_avals, params=_RED, ranks=_all_ranks, block=False, **kw):
+    return Collective(name, out_avals, params=params, alias=kw.pop("alias", (0, 0)),
+                      linear=_sum_linear, nonlinear_jvp=_reduction_jvp(ranks, block), **kw)
 
 
 SPECS = {
     spec.name: spec
     for spec in [
-        _reduction("allreduce", _like(0), transpose=_partner("allreduce")),
-        _reduction("reduce", _like(0), transpose=_t_reduce),
-        Collective("bcast", _like(0), alias=(0, 0), transpose=_t_bcast),
+        _reduction_spec("allreduce", _like(0), transpose=_partner("allreduce")),
+        _reduction_spec("reduce", _like(0), {**_RED, **_ROOT},
+                        ranks=lambda p: slice(None) if _is_root(p) else None,
+                        transpose=_t_reduce),
+        Collective("bcast", _like(0), _ROOT, alias=(0, 0), transpose=_t_bcast),
         Collective(
             "allgather",
             lambda p, x: [_with_shape(x, (p["comm"].size, *x.shape))],
             rank_axis=lambda p: (False, True), transpose=_partner("reduce_scatter", red=SUM),
         ),
-        Collective("gather", _gather_out, alias=(0, 0), rank_axis=lambda p: (False, _is_root(p)),
-                   transpose=_t_gather),
-        Collective("scatter", _scatter_out, alias=(0, 0), rank_axis=lambda p: (_is_root(p), False),
-                   transpose=_t_scatter),
+        Collective("gather", _gather_out, _ROOT, alias=(0, 0),
+                   rank_axis=lambda p: (False, _is_root(p)), transpose=_t_gather),
+        Collective("scatter", _scatter_out, _ROOT, alias=(0, 0),
+                   rank_axis=lambda p: (_is_root(p), False), transpose=_t_scatter),
         Collective("alltoall", _like(0), alias=(0, 0), rank_axis=lambda p: (True, True),
                    transpose=_partner("alltoall")),
-        _reduction(
+        _reduction_spec(
             "reduce_scatter",
             lambda p, x: [_with_shape(x, x.shape[1:])],
             alias=None, rank_axis=lambda p: (True, False), transpose=_partner("allgather"),
+            block=True,
         ),
-        _reduction("scan", _like(0), transpose=_t_scan),
-        _reduction("exscan", _like(0), transpose=_t_exscan),
-        Collective("send", lambda p, x: [], transpose=_t_send),
-        Collective("recv", _like(0), alias=(0, 0), transpose=_t_recv),
-        Collective("sendrecv", _like(1), alias=(1, 0), transpose=_t_sendrecv),
+        _reduction_spec("scan", _like(0), ranks=lambda p: slice(0, p["comm"].rank + 1),
+                        transpose=_t_scan),
+        _reduction_spec("exscan", _like(0), ranks=lambda p: slice(0, p["comm"].rank),
+                        transpose=_t_exscan),
+        Collective("send", lambda p, x: [], {"dest": "peer", "tag": "tag"}, transpose=_t_send),
+        Collective("recv", _like(0), {"source": "peer2", "tag": "tag2", "status": "status"},
+                   alias=(0, 0), transpose=_t_recv),
+        Collective("sendrecv", _like(1),
+                   {"dest": "peer", "source": "peer2", "sendtag": "tag", "recvtag": "tag2",
+                    "status": "status"},
+                   alias=(1, 0), transpose=_t_sendrecv),
         Collective("barrier", lambda p: []),
         # The replicated-value pair (JAX's psum / pvary, Megatron's g / f).
-        Collective("sum_replicated", _like(0), alias=(0, 0), target="allreduce",
+        Collective("sum_replicated", _like(0), _RED, alias=(0, 0), target="allreduce",
                    transpose=_partner("use_replicated")),
         Collective("use_replicated", _like(0), target=None,
                    transpose=_partner("sum_replicated", red=SUM)),
@@ -233,6 +254,9 @@ for _name, _spec in SPECS.items():
 
 # ------------------------------------------------------------ validation --
 def _array(x: Any, op: str, arg: str = "x"):
+    if isinstance(x, jax.Array):  # already a JAX array (or tracer): no conversion
+        check_dtype(x.dtype, op, arg)
+        return x
     dtype = getattr(x, "dtype", None)
     if isinstance(dtype, np.dtype) and dtype.kind in "OSUMm":
         raise TypeError(f"vjpmpi.{op}: argument '{arg}' has dtype {dtype}, which MPI cannot "
@@ -437,7 +461,7 @@ def send(x, dest, *, tag=0, comm=None):
     c = as_comm(comm, "send")
     bind(
         PRIMITIVES["send"], [x], c,
-        peer=_rank(dest, c, "send", "dest", _PEER), tag=_tag(tag, "send", "tag"),
+        dest=_rank(dest, c, "send", "dest", _PEER), tag=_tag(tag, "send", "tag"),
     )
 
 
@@ -451,8 +475,8 @@ def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None):
     c = as_comm(comm, "recv")
     (y,) = bind(
         PRIMITIVES["recv"], [x], c,
-        peer2=_rank(source, c, "recv", "source", _SOURCE),
-        tag2=_tag(tag, "recv", "tag", any_ok=True), status=_status(status, "recv"),
+        source=_rank(source, c, "recv", "source", _SOURCE),
+        tag=_tag(tag, "recv", "tag", any_ok=True), status=_status(status, "recv"),
     )
     return y
 
@@ -474,10 +498,10 @@ def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, 
     c = as_comm(comm, "sendrecv")
     (y,) = bind(
         PRIMITIVES["sendrecv"], [sendbuf, recvbuf], c,
-        peer=_rank(dest, c, "sendrecv", "dest", _PEER),
-        peer2=_rank(source, c, "sendrecv", "source", _SOURCE),
-        tag=_tag(sendtag, "sendrecv", "sendtag"),
-        tag2=_tag(recvtag, "sendrecv", "recvtag", any_ok=True),
+        dest=_rank(dest, c, "sendrecv", "dest", _PEER),
+        source=_rank(source, c, "sendrecv", "source", _SOURCE),
+        sendtag=_tag(sendtag, "sendrecv", "sendtag"),
+        recvtag=_tag(recvtag, "sendrecv", "recvtag", any_ok=True),
         status=_status(status, "sendrecv"),
     )
     return y

@@ -25,6 +25,59 @@ def test_public_api_is_complete():
         assert getattr(vjpmpi, name).__doc__ and "Transpose" in getattr(vjpmpi, name).__doc__
 
 
+# Each op's primitive carries exactly the static parameters that op uses, under the
+# names of its public signature (what `jax.make_jaxpr` shows the user).
+_last = size - 1
+PARAMS_SHOWN = {
+    "allreduce": (lambda x: vjpmpi.allreduce(x, MPI.MAX), {"red": 2}),
+    "reduce": (lambda x: vjpmpi.reduce(x, MPI.PROD, _last), {"red": 1, "root": _last}),
+    "bcast": (lambda x: vjpmpi.bcast(x, _last), {"root": _last}),
+    "allgather": (lambda x: vjpmpi.allgather(x), {}),
+    "gather": (lambda x: vjpmpi.gather(x, _last), {"root": _last}),
+    "scatter": (lambda x: vjpmpi.scatter(jnp.stack([x] * size) if rank == _last else x, _last),
+                {"root": _last}),
+    "alltoall": (lambda x: vjpmpi.alltoall(jnp.stack([x] * size)), {}),
+    "reduce_scatter": (lambda x: vjpmpi.reduce_scatter(jnp.stack([x] * size), MPI.MIN),
+                       {"red": 3}),
+    "scan": (lambda x: vjpmpi.scan(x, MPI.SUM), {"red": 0}),
+    "exscan": (lambda x: vjpmpi.exscan(x, MPI.SUM), {"red": 0}),
+    "send": (lambda x: vjpmpi.send(x, _last, tag=7), {"dest": _last, "tag": 7}),
+    "recv": (lambda x: vjpmpi.recv(x, _last, tag=5), {"source": _last, "tag": 5, "status": 0}),
+    "sendrecv": (lambda x: vjpmpi.sendrecv(x, x, 0, _last, sendtag=3, recvtag=4),
+                 {"dest": _last, "source": 0, "sendtag": 3, "recvtag": 4, "status": 0}),
+    "barrier": (lambda x: vjpmpi.barrier(), {}),
+    "sum_replicated": (lambda x: vjpmpi.sum_replicated(x), {"red": 0}),
+    "use_replicated": (lambda x: vjpmpi.use_replicated(x), {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS_SHOWN))
+def test_jaxpr_shows_only_the_parameters_an_op_uses(name):
+    fn, expected = PARAMS_SHOWN[name]
+    jaxpr = jax.make_jaxpr(fn)(jnp.ones(3)).jaxpr
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == f"vjpmpi_{name}"]
+    assert set(eqn.params) == {"comm", *expected}, eqn.params
+    assert {k: eqn.params[k] for k in expected} == expected
+    assert eqn.params["comm"].size == size
+    text = str(jaxpr)
+    for unused in {"red", "root", "peer", "peer2", "tag", "tag2", "status"} - set(expected):
+        assert not re.search(rf"\b{unused}=", text), (unused, text)
+
+
+def test_transposes_carry_their_own_parameters():
+    # The backward pass of a bcast is a reduce(SUM) onto the same root; of a send, a recv
+    # from the destination with any tag; each with its own parameter set only.
+    x = jnp.ones(3)
+    back = jax.make_jaxpr(jax.grad(lambda v: jnp.sum(vjpmpi.bcast(v, _last))))(x).jaxpr
+    (red,) = [e for e in back.eqns if e.primitive.name == "vjpmpi_reduce"]
+    assert dict(red.params, comm=None) == {"comm": None, "red": 0, "root": _last}
+    t = jax.linear_transpose(lambda v: vjpmpi.sendrecv(v, jnp.zeros(3), 0, _last, sendtag=2,
+                                                       recvtag=6), x)
+    (sr,) = [e for e in jax.make_jaxpr(t)(x).jaxpr.eqns if e.primitive.name == "vjpmpi_sendrecv"]
+    assert {k: v for k, v in sr.params.items() if k != "comm"} == {
+        "dest": 0, "source": _last, "sendtag": 6, "recvtag": MPI.ANY_TAG, "status": 0}
+
+
 @pytest.mark.parametrize("jit", [False, True])
 def test_errors_name_op_and_argument(jit):
     wrap = jax.jit if jit else (lambda f: f)

@@ -27,7 +27,50 @@ def _rebuild(layer, weight, bias) -> eqx.nn.Linear:
     return dense if bias is None else eqx.tree_at(lambda m: m.bias, dense, bias)
 
 
-class ColumnParallelLinear(eqx.Module):
+class _ShardedLinear(eqx.Module):
+    """A linear layer whose weight is split over `comm` along `_axis` (0: output
+    features, 1: input features); the bias is split with the output features."""
+
+    weight: Float[Array, "out_block in_block"]
+    bias: Float[Array, " out_block"] | None
+    in_features: int = eqx.field(static=True)
+    out_features: int = eqx.field(static=True)
+    comm: CommRef = eqx.field(static=True)
+    _axis = 0
+
+    def _shard(self, in_features, out_features, use_bias, key, dense, comm):
+        dense = _dense(in_features, out_features, use_bias, key, dense)
+        layer, axis = type(self).__name__, self._axis
+        self.comm = comm_ref(comm, layer)
+        start, stop = block((out_features, in_features)[axis], self.comm, layer,
+                            ("out_features", "in_features")[axis])
+        self.weight = dense.weight[start:stop] if axis == 0 else dense.weight[:, start:stop]
+        has_bias = dense.bias is not None
+        self.bias = dense.bias[start:stop] if has_bias and axis == 0 else dense.bias
+        self.in_features, self.out_features = in_features, out_features
+
+    @classmethod
+    def from_dense(cls, layer: eqx.nn.Linear, comm=None, **options):
+        """Slice a standard `eqx.nn.Linear` (the same on every rank) into this rank's shard;
+        `options`: the layer's keyword (`gather_output=` / `input_is_parallel=`)."""
+        return cls(layer.in_features, layer.out_features, layer.bias is not None, comm=comm,
+                   dense=layer, **options)
+
+    def _block(self) -> tuple[int, int]:
+        """[start, stop) of this rank's block of the split feature axis."""
+        n, what = ((self.out_features, "out_features"), (self.in_features, "in_features"))[
+            self._axis]
+        return block(n, self.comm, type(self).__name__, what)
+
+    def to_dense(self) -> eqx.nn.Linear:
+        """Gather the shards into an `eqx.nn.Linear` on every rank."""
+        bias = self.bias
+        if bias is not None and self._axis == 0:
+            bias = gather_blocks(bias, self.comm, 0)
+        return _rebuild(self, gather_blocks(self.weight, self.comm, self._axis), bias)
+
+
+class ColumnParallelLinear(_ShardedLinear):
     """`eqx.nn.Linear` with the weight split by output features over `comm`.
 
     Shape: replicated `Float[Array, "in"]` -> this rank's block `Float[Array, "out/size"]`,
@@ -38,34 +81,13 @@ class ColumnParallelLinear(eqx.Module):
     on any number of ranks.
     """
 
-    weight: Float[Array, "out_block in"]
-    bias: Float[Array, " out_block"] | None
-    in_features: int = eqx.field(static=True)
-    out_features: int = eqx.field(static=True)
     gather_output: bool = eqx.field(static=True)
-    comm: CommRef = eqx.field(static=True)
 
     def __init__(self, in_features: int, out_features: int, use_bias: bool = True, *,
                  gather_output: bool = False, comm=None, key: PRNGKeyArray | None = None,
                  dense: eqx.nn.Linear | None = None):
-        dense = _dense(in_features, out_features, use_bias, key, dense)
-        self.comm = comm_ref(comm, "ColumnParallelLinear")
-        start, stop = block(out_features, self.comm, "ColumnParallelLinear", "out_features")
-        self.weight = dense.weight[start:stop]
-        self.bias = None if dense.bias is None else dense.bias[start:stop]
-        self.in_features, self.out_features = in_features, out_features
+        self._shard(in_features, out_features, use_bias, key, dense, comm)
         self.gather_output = gather_output
-
-    @classmethod
-    def from_dense(cls, layer: eqx.nn.Linear, comm=None, *, gather_output: bool = False):
-        """Slice a standard `eqx.nn.Linear` (the same on every rank) into this rank's shard."""
-        return cls(layer.in_features, layer.out_features, layer.bias is not None,
-                   gather_output=gather_output, comm=comm, dense=layer)
-
-    def to_dense(self) -> eqx.nn.Linear:
-        """Gather the shards into an `eqx.nn.Linear` on every rank."""
-        bias = None if self.bias is None else gather_blocks(self.bias, self.comm, 0)
-        return _rebuild(self, gather_blocks(self.weight, self.comm, 0), bias)
 
     def __call__(self, x: Float[Array, " in"], *, key=None) -> Float[Array, " out"]:
         y = self.weight @ use_replicated(x, comm=self.comm.comm)
@@ -75,12 +97,12 @@ class ColumnParallelLinear(eqx.Module):
             return y
         # Place the block in a zero vector and sum over ranks: a replicated gather
         # whose backward hands each rank its slice of the replicated cotangent.
-        start, _ = block(self.out_features, self.comm, "ColumnParallelLinear", "out_features")
+        start, _ = self._block()
         full = jax.lax.dynamic_update_slice(jnp.zeros((self.out_features,), y.dtype), y, (start,))
         return sum_replicated(full, comm=self.comm.comm)
 
 
-class RowParallelLinear(eqx.Module):
+class RowParallelLinear(_ShardedLinear):
     """`eqx.nn.Linear` with the weight split by input features over `comm`.
 
     Shape: this rank's block `Float[Array, "in/size"]` (`input_is_parallel=True`) or the
@@ -89,37 +111,18 @@ class RowParallelLinear(eqx.Module):
     forward, none backward); the bias is added once, after the reduction.
     """
 
-    weight: Float[Array, "out in_block"]
-    bias: Float[Array, " out"] | None
-    in_features: int = eqx.field(static=True)
-    out_features: int = eqx.field(static=True)
     input_is_parallel: bool = eqx.field(static=True)
-    comm: CommRef = eqx.field(static=True)
+    _axis = 1
 
     def __init__(self, in_features: int, out_features: int, use_bias: bool = True, *,
                  input_is_parallel: bool = True, comm=None, key: PRNGKeyArray | None = None,
                  dense: eqx.nn.Linear | None = None):
-        dense = _dense(in_features, out_features, use_bias, key, dense)
-        self.comm = comm_ref(comm, "RowParallelLinear")
-        start, stop = block(in_features, self.comm, "RowParallelLinear", "in_features")
-        self.weight = dense.weight[:, start:stop]
-        self.bias = dense.bias
-        self.in_features, self.out_features = in_features, out_features
+        self._shard(in_features, out_features, use_bias, key, dense, comm)
         self.input_is_parallel = input_is_parallel
-
-    @classmethod
-    def from_dense(cls, layer: eqx.nn.Linear, comm=None, *, input_is_parallel: bool = True):
-        """Slice a standard `eqx.nn.Linear` (the same on every rank) into this rank's shard."""
-        return cls(layer.in_features, layer.out_features, layer.bias is not None,
-                   input_is_parallel=input_is_parallel, comm=comm, dense=layer)
-
-    def to_dense(self) -> eqx.nn.Linear:
-        """Gather the shards into an `eqx.nn.Linear` on every rank."""
-        return _rebuild(self, gather_blocks(self.weight, self.comm, 1), self.bias)
 
     def __call__(self, x: Float[Array, " in"], *, key=None) -> Float[Array, " out"]:
         if not self.input_is_parallel:
-            start, stop = block(self.in_features, self.comm, "RowParallelLinear", "in_features")
+            start, stop = self._block()
             x = use_replicated(x, comm=self.comm.comm)[start:stop]
         y = sum_replicated(self.weight @ x, comm=self.comm.comm)
         return y if self.bias is None else y + self.bias
