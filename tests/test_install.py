@@ -85,6 +85,29 @@ def test_cuda_backend_is_built_and_registered():
         assert "VJPMPI_CUDA_AWARE=1, but this MPI" in r.stdout
 
 
+@pytest.mark.skipif(not CUDA_HEADERS.exists(), reason="no CUDA toolkit on this machine")
+def test_cuda_module_shares_the_cpu_runtime():
+    """One runtime for both backends (fresh interpreter, VJPMPI_TRACE=1): a call entered
+    through the CUDA module's code path is in vjpmpi.take_trace() and the call count,
+    and a site registered once reads the same in both modules."""
+    r = python(
+        "import vjpmpi\n"
+        "from vjpmpi import _kernels\n"
+        "assert _kernels.cuda is not None, 'CUDA backend not built'\n"
+        "cpu, cuda = _kernels.cpu, _kernels.cuda\n"
+        "assert cuda._runtime_address() == cpu._runtime_address()\n"
+        "site = _kernels.register_site('probe at <string>:1')\n"
+        "assert cuda._site_for_test(site) == cpu._site_for_test(site) == 'probe at <string>:1'\n"
+        "vjpmpi.take_trace()\n"
+        "calls = _kernels.call_counts()[0]\n"
+        "cuda._guard_for_test('cuda_probe', site)\n"
+        "assert _kernels.call_counts()[0] == calls + 1, _kernels.call_counts()\n"
+        "print(vjpmpi.take_trace())\n"
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['cuda_probe']"
+
+
 def test_bad_cuda_aware_setting_is_an_import_error():
     r = subprocess.run(
         [sys.executable, "-c", "import vjpmpi"], cwd=TESTS, capture_output=True, text=True,

@@ -48,16 +48,35 @@ if _ours.strip() != _theirs.strip():
 for _name, _capsule in cpu.registrations().items():
     jax.ffi.register_ffi_target(f"vjpmpi_{_name}", _capsule, platform="cpu")
 
+# The reduction names (in code order) and supported dtypes: the C++ tables that
+# vjpmpi/_mpi.py builds its codes from.
+REDUCTIONS = tuple(cpu.reductions())
+DTYPES = tuple(cpu.dtypes())
+
 # The CUDA backend: built when the build machine had a CUDA toolkit.
 try:
     from . import _vjpmpi_cuda as cuda
 except ImportError:
     cuda = None
 if cuda is not None:
+    # One runtime for every backend: the CUDA handlers use the CPU module's call
+    # sites, settings, counters, trace and watchdog (csrc/vjpmpi_runtime.h).
+    try:
+        cuda.attach_runtime(cpu.runtime_capsule())
+    except (AttributeError, RuntimeError, TypeError) as err:
+        raise ImportError(
+            f"vjpmpi's CUDA kernels ({cuda.__file__}) cannot share the CPU kernels' runtime: "
+            f"{err}. Reinstall vjpmpi so that both come from one build."
+        ) from err
+    if (tuple(cuda.reductions()), tuple(cuda.dtypes())) != (REDUCTIONS, DTYPES):
+        raise ImportError(
+            f"vjpmpi's CUDA kernels ({cuda.__file__}) and CPU kernels ({cpu.__file__}) use "
+            "different reduction or dtype tables. Reinstall vjpmpi so that both come from "
+            "one build."
+        )
     for _name, _capsule in cuda.registrations().items():
         jax.ffi.register_ffi_target(f"vjpmpi_{_name}", _capsule, platform="CUDA")
 
-BACKENDS = [m for m in (cpu, cuda) if m is not None]
 STATUS_SIZE = cpu.status_size
 
 
@@ -77,8 +96,7 @@ def _env_timeout() -> float:
 # Opt-in diagnostics, read once at import (see README, "When things go wrong").
 CHECK = os.environ.get("VJPMPI_CHECK", "").strip() not in ("", "0")
 TIMEOUT = _env_timeout()
-for _m in BACKENDS:
-    _m.configure(CHECK, TIMEOUT)
+cpu.configure(CHECK, TIMEOUT)  # the one runtime: every backend's handlers
 
 # CUDA: "auto" (device pointers when MPI reports CUDA support), "0" (stage
 # through pinned host memory), "1" (require CUDA-aware MPI: an error at first use
@@ -91,10 +109,20 @@ if cuda is not None:
 
 
 def register_site(text: str) -> int:
-    """Register a call-site description with every backend; the same id in each."""
-    ids = {m.register_site(text) for m in BACKENDS}
-    assert len(ids) == 1, ids
-    return ids.pop()
+    """Register a call-site description (one registry for every backend); its id."""
+    return cpu.register_site(text)
+
+
+def trace_enabled() -> bool:
+    """Whether VJPMPI_TRACE=1 was set when the kernels were loaded."""
+    return cpu.trace_enabled()
+
+
+def call_counts() -> tuple[int, int]:
+    """(kernel calls, calls that overlapped another running vjpmpi kernel) of this
+    process, over every backend (one runtime counts them all)."""
+    calls, overlaps = cpu.call_counts()
+    return calls, overlaps
 
 
 def cuda_mode() -> str | None:
@@ -108,6 +136,6 @@ def take_trace() -> list[str]:
     Recording is opt-in: set `VJPMPI_TRACE=1` in the environment before importing
     vjpmpi. Compare the lists of all ranks to see where their sequences diverge.
     """
-    if not cpu.trace_enabled():
+    if not trace_enabled():
         raise RuntimeError("vjpmpi.take_trace: set VJPMPI_TRACE=1 before importing vjpmpi")
     return cpu.take_trace()

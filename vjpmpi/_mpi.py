@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from . import _kernels  # (loads the kernels: their reduction and dtype tables)
+
 __all__ = ["CommRef", "as_comm", "as_red", "check_dtype", "check_red_dtype", "RED_NAMES"]
 
 
@@ -96,10 +98,15 @@ def as_comm(comm: Any, op: str) -> CommRef:
     return ref
 
 
-# Reduction codes; the C++ enum `Red` in csrc/vjpmpi_mpi.h uses the same numbers.
-RED_NAMES = ("SUM", "PROD", "MAX", "MIN", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
+# Reduction codes: a reduction's code is its position in the compiled kernels'
+# table (`VJPMPI_REDUCTIONS` in csrc/vjpmpi_mpi.h, the one source), each name
+# that of its mpi4py op.
+RED_NAMES: tuple[str, ...] = _kernels.REDUCTIONS
 _RED_BY_HANDLE = {getattr(MPI, n).handle: i for i, n in enumerate(RED_NAMES)}
-SUM, PROD, MAX, MIN, LAND, LOR, LXOR, BAND, BOR, BXOR = range(10)
+SUM, PROD, MAX, MIN, LAND, LOR, LXOR, BAND, BOR, BXOR = (
+    RED_NAMES.index(n)
+    for n in ("SUM", "PROD", "MAX", "MIN", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
+)
 
 
 def as_red(op: Any, name: str) -> int:
@@ -116,19 +123,17 @@ def as_red(op: Any, name: str) -> int:
     )
 
 
-_DTYPES = {
-    np.dtype(t)
-    for t in (
-        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-        "float16", "float32", "float64", "complex64", "complex128",
-    )
-}
-try:  # bfloat16 comes from ml_dtypes, a jax dependency
-    import ml_dtypes
+def _numpy_dtype(name: str) -> np.dtype:
+    try:
+        return np.dtype(name)
+    except TypeError:  # bfloat16 comes from ml_dtypes, a jax dependency
+        import ml_dtypes
 
-    _DTYPES.add(np.dtype(ml_dtypes.bfloat16))
-except ImportError:  # pragma: no cover
-    pass
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+# The dtypes the kernels support (`VJPMPI_KINDS` in csrc/vjpmpi_mpi.h).
+_DTYPES = frozenset(_numpy_dtype(n) for n in _kernels.DTYPES)
 
 
 def check_dtype(dtype: Any, op: str, arg: str = "x") -> np.dtype:

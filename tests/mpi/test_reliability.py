@@ -22,7 +22,7 @@ def rss_kib():
 
 def drain_trace():
     """The opt-in trace (VJPMPI_TRACE=1, on in this suite) keeps one entry per call."""
-    if _kernels.cpu.trace_enabled():
+    if _kernels.trace_enabled():
         vjpmpi.take_trace()
 
 

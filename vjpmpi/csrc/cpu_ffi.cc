@@ -14,9 +14,14 @@ struct HostMem {
 };
 }  // namespace vjpmpi
 
+// This module owns vjpmpi's one runtime (vjpmpi_runtime.h); the others attach to it.
+#define VJPMPI_RUNTIME_OWNER
 #define VJPMPI_CTX_BIND
 #define VJPMPI_CTX_PARAMS_FIRST
 #define VJPMPI_MEM HostMem{}
 #include "vjpmpi_handlers.h"
 
-NB_MODULE(_vjpmpi_cpu, m) { vjpmpi::DefineCommon(m); }
+NB_MODULE(_vjpmpi_cpu, m) {
+  vjpmpi::DefineCommon(m);
+  vjpmpi::DefineRuntime(m);
+}

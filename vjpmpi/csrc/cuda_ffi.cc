@@ -178,6 +178,8 @@ struct CudaMem {
 
 NB_MODULE(_vjpmpi_cuda, m) {
   vjpmpi::DefineCommon(m);
+  // attach_runtime(capsule): share the CPU module's runtime (done by vjpmpi/_kernels.py)
+  vjpmpi::DefineAttach(m, "_vjpmpi_cuda");
   // configure_cuda("auto" | "0" | "1") -> "" or the error every call will report
   m.def("configure_cuda", &vjpmpi::ConfigureCuda);
   m.def("cuda_aware_query", &vjpmpi::QueryCudaAware);

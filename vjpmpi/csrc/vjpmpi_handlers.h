@@ -4,6 +4,8 @@
 //   VJPMPI_CTX_BIND          extra FFI bindings before the arguments (e.g. the stream)
 //   VJPMPI_CTX_PARAMS_FIRST  the matching handler parameters, each followed by a comma
 //   VJPMPI_MEM               an expression making the memory policy from those parameters
+//   VJPMPI_RUNTIME_OWNER     (the CPU backend only) this module owns the runtime and
+//                            exports it; every other module gets attach_runtime()
 // and a memory policy type with:
 //   void Prepare(Call&)                       before anything (may switch c.copy)
 //   const void* In(const void* buf, size_t)   a pointer MPI may read
@@ -14,7 +16,9 @@
 // carries no data, it only orders the custom calls inside one XLA program.
 #pragma once
 
+#include <stdexcept>
 #include <string>
+#include <unordered_set>
 
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
@@ -31,21 +35,11 @@ namespace {
 
 Kind KindOf(ffi::DataType t) {
   switch (t) {
-    case ffi::DataType::PRED: return Kind::kBool;
-    case ffi::DataType::S8: return Kind::kI8;
-    case ffi::DataType::S16: return Kind::kI16;
-    case ffi::DataType::S32: return Kind::kI32;
-    case ffi::DataType::S64: return Kind::kI64;
-    case ffi::DataType::U8: return Kind::kU8;
-    case ffi::DataType::U16: return Kind::kU16;
-    case ffi::DataType::U32: return Kind::kU32;
-    case ffi::DataType::U64: return Kind::kU64;
-    case ffi::DataType::F16: return Kind::kF16;
-    case ffi::DataType::BF16: return Kind::kBF16;
-    case ffi::DataType::F32: return Kind::kF32;
-    case ffi::DataType::F64: return Kind::kF64;
-    case ffi::DataType::C64: return Kind::kC64;
-    case ffi::DataType::C128: return Kind::kC128;
+#define VJPMPI_X(e, name, xla, mpi, bytes) \
+  case ffi::DataType::xla:                 \
+    return Kind::e;
+    VJPMPI_KINDS(VJPMPI_X)
+#undef VJPMPI_X
     default: return Kind::kUnsupported;
   }
 }
@@ -82,10 +76,16 @@ ffi::Error Unsupported(const char* name) {
 // memory policy's staging before and after.
 template <typename Mem, typename Body>
 ffi::Error Run(Mem& mem, Call& c, int64_t site, bool collective, Body body) {
-  Guard guard(c.op, site, c.comm);
+  Runtime* rt = CurrentRuntime();
+  if (rt == nullptr) {  // only a module imported around vjpmpi/_kernels.py
+    return ffi::Error::Internal(std::string("vjpmpi.") + c.op +
+                                ": this backend's module is not attached to vjpmpi's runtime "
+                                "(import vjpmpi, which attaches it)");
+  }
+  Guard guard(*rt, c.op, site, c.comm);
   std::string e = CheckAlive(c.op);
-  if (e.empty() && collective && check_enabled.load(std::memory_order_relaxed)) {
-    e = CheckCollective(c, site);
+  if (e.empty() && collective && rt->check_enabled.load(std::memory_order_relaxed)) {
+    e = CheckCollective(*rt, c, site);
   }
   if (e.empty()) e = body();
   std::string end = mem.End();
@@ -260,7 +260,27 @@ std::string LibraryVersion() {
   return std::string(buf, len);
 }
 
-// What every backend module exports: its handlers and the run-time services.
+Runtime& AttachedRuntime() {
+  Runtime* rt = CurrentRuntime();
+  if (rt == nullptr) {
+    throw std::runtime_error(
+        "vjpmpi: this module is not attached to vjpmpi's runtime (import vjpmpi, which "
+        "attaches it)");
+  }
+  return *rt;
+}
+
+// Names passed to _guard_for_test, kept for the life of the process (the
+// watchdog may read the name of the last call after it ended).
+const char* Intern(const std::string& name) {
+  static std::mutex mutex;
+  static std::unordered_set<std::string> names;
+  std::lock_guard<std::mutex> lock(mutex);
+  return names.insert(name).first->c_str();
+}
+
+// What every backend module exports: its handlers, the tables Python builds its
+// codes from, and test views of the runtime it uses.
 void DefineCommon(nb::module_& m) {
   m.def("registrations", []() {
     nb::dict d;
@@ -283,32 +303,71 @@ void DefineCommon(nb::module_& m) {
   // The MPI library these kernels resolved at load time (checked at import
   // against the one mpi4py loaded).
   m.def("library_version", &LibraryVersion);
-  // configure(check, timeout_seconds): the opt-in mismatch check and watchdog.
-  m.def("configure", &Configure);
-  m.def("register_site", &RegisterSite);
-  m.def("trace_enabled", []() { return tracing; });
-  // Returns and clears the recorded sequence of collectives.
-  m.def("take_trace", []() {
-    std::lock_guard<std::mutex> lock(trace_mutex);
-    std::vector<std::string> out;
-    out.swap(trace_log);
-    return out;
+  // The reduction names in code order (the `red` attribute is the position) and
+  // the NumPy names of the supported dtypes: vjpmpi/_mpi.py builds its codes from them.
+  m.def("reductions", &ReductionNames);
+  m.def("dtypes", &KindNames);
+  // Test views of the runtime this module's handlers use: its address, a call
+  // site's text, and one guarded "call" entered exactly as a handler enters one
+  // (trace, call counter, overlap counter, watchdog slot), without MPI.
+  m.def("_runtime_address", []() {
+    return static_cast<int64_t>(reinterpret_cast<uintptr_t>(CurrentRuntime()));
   });
-  // (kernel calls, calls that overlapped another running vjpmpi kernel)
-  m.def("call_counts", []() { return nb::make_tuple(calls.load(), overlaps.load()); });
-#if defined(OPEN_MPI) && OPEN_MPI
-  m.attr("abi") = nb::str("openmpi");
-#elif defined(MPICH_VERSION)
-  m.attr("abi") = nb::str("mpich");
-#else
-  m.attr("abi") = nb::str("unknown");
-#endif
+  m.def("_site_for_test", [](int64_t id) { return Site(AttachedRuntime(), id, ""); });
+  m.def("_guard_for_test", [](const std::string& name, int64_t site) {
+    Guard guard(AttachedRuntime(), Intern(name), site, MPI_COMM_NULL);
+  });
+  m.attr("abi") = nb::str(VJPMPI_MPI_ABI);
   m.attr("mpi_version") =
       nb::str((std::to_string(MPI_VERSION) + "." + std::to_string(MPI_SUBVERSION)).c_str());
   m.attr("status_size") = nb::int_(static_cast<int64_t>(sizeof(MPI_Status)));
   // The jaxlib whose XLA FFI headers this module was compiled against.
   m.attr("jaxlib_headers") = nb::str(VJPMPI_JAXLIB_HEADERS);
 }
+
+#ifdef VJPMPI_RUNTIME_OWNER
+// The module that owns the runtime exports it (runtime_capsule(), for the other
+// backends' attach_runtime) and its Python interface.
+inline RuntimeHandle owned_handle = MakeRuntimeHandle(&owned_runtime);
+
+void DefineRuntime(nb::module_& m) {
+  m.def("runtime_capsule", []() {
+    return nb::capsule(static_cast<const void*>(&owned_handle), kRuntimeCapsule);
+  });
+  // configure(check, timeout_seconds): the opt-in mismatch check and watchdog.
+  m.def("configure", [](bool check, double timeout) { Configure(owned_runtime, check, timeout); });
+  m.def("register_site", [](const std::string& text) { return RegisterSite(owned_runtime, text); });
+  m.def("trace_enabled", []() { return owned_runtime.tracing; });
+  // Returns and clears the recorded sequence of collectives.
+  m.def("take_trace", []() {
+    std::lock_guard<std::mutex> lock(owned_runtime.trace_mutex);
+    std::vector<std::string> out;
+    out.swap(owned_runtime.trace_log);
+    return out;
+  });
+  // (kernel calls, calls that overlapped another running vjpmpi kernel), every backend's
+  m.def("call_counts", []() {
+    return nb::make_tuple(owned_runtime.calls.load(), owned_runtime.overlaps.load());
+  });
+}
+#else
+// A backend module that does not own the runtime is attached to the owner's.
+void DefineAttach(nb::module_& m, const char* module) {
+  // attach_runtime(_vjpmpi_cpu.runtime_capsule()): every handler of this module
+  // then uses that runtime. Refuses (RuntimeError) a module from another build.
+  m.def("attach_runtime", [module](nb::handle capsule) {
+    if (!PyCapsule_IsValid(capsule.ptr(), kRuntimeCapsule)) {
+      throw nb::type_error(
+          (std::string("vjpmpi: ") + module + ".attach_runtime expects the capsule of "
+           "_vjpmpi_cpu.runtime_capsule()").c_str());
+    }
+    auto* h = static_cast<const RuntimeHandle*>(
+        PyCapsule_GetPointer(capsule.ptr(), kRuntimeCapsule));
+    std::string e = AttachRuntime(h, module);
+    if (!e.empty()) throw std::runtime_error(e);
+  });
+}
+#endif
 
 }  // namespace
 }  // namespace vjpmpi

@@ -1,7 +1,7 @@
 // Shared MPI layer of the vjpmpi kernels: handle conversion, dtype and reduction
 // mapping (with user-defined ops for float16/bfloat16), error strings, and one
 // function per MPI call shape working on plain host pointers.  A backend file
-// (cpu_ffi.cc; a CUDA file later) binds XLA FFI buffers to these functions.
+// (cpu_ffi.cc, cuda_ffi.cc) binds XLA FFI buffers to these functions.
 #pragma once
 
 #ifndef OMPI_SKIP_MPICXX
@@ -35,18 +35,67 @@ inline H FromHandle(int64_t h) {
   }
 }
 
-// ------------------------------------------------------------- reductions --
-// Reduction codes shared with vjpmpi/_src/_mpi.py (keep in sync).
+// ------------------------------------------------ reductions and dtypes --
+// These two tables are the one source of vjpmpi's reduction codes and element
+// kinds: the enums, the MPI objects and the names Python reads (the modules'
+// reductions() and dtypes(), from which vjpmpi/_mpi.py builds RED_NAMES, the
+// SUM..BXOR codes and the supported dtypes) are all expanded from them.
+
+// X(enumerator, name): the code is the position; MPI_<name> is the MPI op and
+// Python's MPI.<name> maps to it.
+#define VJPMPI_REDUCTIONS(X)                                                             \
+  X(kSum, SUM) X(kProd, PROD) X(kMax, MAX) X(kMin, MIN) X(kLand, LAND) X(kLor, LOR)      \
+  X(kLxor, LXOR) X(kBand, BAND) X(kBor, BOR) X(kBxor, BXOR)
+
+// X(enumerator, NumPy dtype name, XLA FFI DataType, MPI datatype, bytes per element).
+// float16 and bfloat16 travel as 16-bit words and are reduced by HalfOp.
+#define VJPMPI_KINDS(X)                                                                  \
+  X(kBool, bool, PRED, MPI_C_BOOL, 1)                                                   \
+  X(kI8, int8, S8, MPI_INT8_T, 1)                                                       \
+  X(kI16, int16, S16, MPI_INT16_T, 2)                                                   \
+  X(kI32, int32, S32, MPI_INT32_T, 4)                                                   \
+  X(kI64, int64, S64, MPI_INT64_T, 8)                                                   \
+  X(kU8, uint8, U8, MPI_UINT8_T, 1)                                                     \
+  X(kU16, uint16, U16, MPI_UINT16_T, 2)                                                 \
+  X(kU32, uint32, U32, MPI_UINT32_T, 4)                                                 \
+  X(kU64, uint64, U64, MPI_UINT64_T, 8)                                                 \
+  X(kF16, float16, F16, MPI_UINT16_T, 2)                                                \
+  X(kBF16, bfloat16, BF16, MPI_UINT16_T, 2)                                             \
+  X(kF32, float32, F32, MPI_FLOAT, 4)                                                   \
+  X(kF64, float64, F64, MPI_DOUBLE, 8)                                                  \
+  X(kC64, complex64, C64, MPI_C_FLOAT_COMPLEX, 8)                                       \
+  X(kC128, complex128, C128, MPI_C_DOUBLE_COMPLEX, 16)
+
 enum class Red : int {
-  kSum = 0, kProd = 1, kMax = 2, kMin = 3, kLand = 4, kLor = 5, kLxor = 6,
-  kBand = 7, kBor = 8, kBxor = 9
+#define VJPMPI_X(e, name) e,
+  VJPMPI_REDUCTIONS(VJPMPI_X)
+#undef VJPMPI_X
 };
 
-// Element kinds the kernels know; shared with Python through the FFI dtype.
+// Reduction names in code order (what Python's RED_NAMES is made of).
+inline std::vector<std::string> ReductionNames() {
+  return {
+#define VJPMPI_X(e, name) #name,
+      VJPMPI_REDUCTIONS(VJPMPI_X)
+#undef VJPMPI_X
+  };
+}
+
 enum class Kind {
-  kBool, kI8, kI16, kI32, kI64, kU8, kU16, kU32, kU64,
-  kF16, kBF16, kF32, kF64, kC64, kC128, kUnsupported
+#define VJPMPI_X(e, name, xla, mpi, bytes) e,
+  VJPMPI_KINDS(VJPMPI_X)
+#undef VJPMPI_X
+  kUnsupported
 };
+
+// NumPy names of the element kinds the kernels support, in Kind order.
+inline std::vector<std::string> KindNames() {
+  return {
+#define VJPMPI_X(e, name, xla, mpi, bytes) #name,
+      VJPMPI_KINDS(VJPMPI_X)
+#undef VJPMPI_X
+  };
+}
 
 // ---------------------------------------------------- float16 / bfloat16 --
 inline float HalfToFloat(uint16_t h) {
@@ -128,7 +177,11 @@ void HalfReduce(void* in, void* inout, int* len, MPI_Datatype*) {
   }
 }
 
-// User-defined MPI ops for float16 and bfloat16, made once after MPI_Init.
+// User-defined MPI ops for float16 and bfloat16, made once after MPI_Init;
+// indexed by the code of SUM, PROD, MAX, MIN (the first four).
+static_assert(static_cast<int>(Red::kSum) == 0 && static_cast<int>(Red::kProd) == 1 &&
+                  static_cast<int>(Red::kMax) == 2 && static_cast<int>(Red::kMin) == 3,
+              "HalfOp and Operation expect SUM, PROD, MAX, MIN to be codes 0-3");
 inline MPI_Op HalfOp(bool bf16, Red r) {
   static std::once_flag once;
   static MPI_Op ops[2][4];
@@ -147,32 +200,22 @@ inline MPI_Op HalfOp(bool bf16, Red r) {
 
 inline MPI_Datatype Datatype(Kind k) {
   switch (k) {
-    case Kind::kBool: return MPI_C_BOOL;
-    case Kind::kI8: return MPI_INT8_T;
-    case Kind::kI16: return MPI_INT16_T;
-    case Kind::kI32: return MPI_INT32_T;
-    case Kind::kI64: return MPI_INT64_T;
-    case Kind::kU8: return MPI_UINT8_T;
-    case Kind::kU16: return MPI_UINT16_T;
-    case Kind::kU32: return MPI_UINT32_T;
-    case Kind::kU64: return MPI_UINT64_T;
-    case Kind::kF16: return MPI_UINT16_T;   // moved as bits, reduced by HalfOp
-    case Kind::kBF16: return MPI_UINT16_T;
-    case Kind::kF32: return MPI_FLOAT;
-    case Kind::kF64: return MPI_DOUBLE;
-    case Kind::kC64: return MPI_C_FLOAT_COMPLEX;
-    case Kind::kC128: return MPI_C_DOUBLE_COMPLEX;
+#define VJPMPI_X(e, name, xla, mpi, bytes) \
+  case Kind::e:                            \
+    return mpi;
+    VJPMPI_KINDS(VJPMPI_X)
+#undef VJPMPI_X
     default: return MPI_DATATYPE_NULL;
   }
 }
 
 inline size_t ByteSize(Kind k) {
   switch (k) {
-    case Kind::kBool: case Kind::kI8: case Kind::kU8: return 1;
-    case Kind::kI16: case Kind::kU16: case Kind::kF16: case Kind::kBF16: return 2;
-    case Kind::kI32: case Kind::kU32: case Kind::kF32: return 4;
-    case Kind::kI64: case Kind::kU64: case Kind::kF64: case Kind::kC64: return 8;
-    case Kind::kC128: return 16;
+#define VJPMPI_X(e, name, xla, mpi, bytes) \
+  case Kind::e:                            \
+    return bytes;
+    VJPMPI_KINDS(VJPMPI_X)
+#undef VJPMPI_X
     default: return 0;
   }
 }
@@ -185,16 +228,11 @@ inline MPI_Op Operation(Red r, Kind k) {
     return HalfOp(k == Kind::kBF16, r);
   }
   switch (r) {
-    case Red::kSum: return MPI_SUM;
-    case Red::kProd: return MPI_PROD;
-    case Red::kMax: return MPI_MAX;
-    case Red::kMin: return MPI_MIN;
-    case Red::kLand: return MPI_LAND;
-    case Red::kLor: return MPI_LOR;
-    case Red::kLxor: return MPI_LXOR;
-    case Red::kBand: return MPI_BAND;
-    case Red::kBor: return MPI_BOR;
-    case Red::kBxor: return MPI_BXOR;
+#define VJPMPI_X(e, name) \
+  case Red::e:            \
+    return MPI_##name;
+    VJPMPI_REDUCTIONS(VJPMPI_X)
+#undef VJPMPI_X
   }
   return MPI_OP_NULL;
 }
@@ -301,10 +339,14 @@ int ByCount(size_t n, Small small, Big big) {
 #endif
 
 inline const char* KindName(Kind k) {
-  static const char* names[] = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
-                                "uint32", "uint64", "float16", "bfloat16", "float32",
-                                "float64", "complex64", "complex128", "unsupported"};
-  return names[static_cast<int>(k)];
+  switch (k) {
+#define VJPMPI_X(e, name, xla, mpi, bytes) \
+  case Kind::e:                            \
+    return #name;
+    VJPMPI_KINDS(VJPMPI_X)
+#undef VJPMPI_X
+    default: return "unsupported";
+  }
 }
 
 // A collective call on host pointers; `count` is the element count of one

@@ -1,12 +1,14 @@
-// Run-time services shared by every backend's handlers: the per-call guard
-// (overlap counter, opt-in trace), the opt-in collective mismatch check
-// (VJPMPI_CHECK) and the opt-in timeout watchdog (VJPMPI_TIMEOUT).
+// Run-time services shared by every backend's handlers: the one Runtime (call
+// sites, settings, counters, trace, watchdog) and how modules share it, the
+// per-call guard (overlap counter, opt-in trace), the opt-in collective mismatch
+// check (VJPMPI_CHECK) and the opt-in timeout watchdog (VJPMPI_TIMEOUT).
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -16,50 +18,134 @@
 
 namespace vjpmpi {
 
-// ------------------------------------------------------------ call sites --
-// Python registers a description of each call site ("bcast(root=0) float32[8]
-// at train.py:12") when the check or the timeout is on, and passes its id as
-// the `site` attribute (0: none).
-inline std::mutex site_mutex;
-inline std::vector<std::string> sites{""};
+// ---------------------------------------------------------------- runtime --
+// All run-time state of vjpmpi lives in ONE Runtime, shared by every backend:
+// the CPU module (_vjpmpi_cpu) owns it, and each other backend module
+// (_vjpmpi_cuda) is attached to it at import (vjpmpi/_kernels.py passes the CPU
+// module's runtime_capsule() to attach_runtime()).  So call sites, settings,
+// counters, the trace and the single watchdog are the same whichever backend's
+// handler runs.  Every module is compiled from these headers in one build; the
+// handle below lets attach refuse a module built differently.
+struct Runtime {
+  // Call sites: Python registers a description of each call site ("bcast(root=0)
+  // float32[8] at train.py:12") when the check or the timeout is on, and passes
+  // its id as the `site` attribute (0: none).
+  std::mutex site_mutex;
+  std::vector<std::string> sites{""};
 
-inline int64_t RegisterSite(const std::string& text) {
-  std::lock_guard<std::mutex> lock(site_mutex);
-  sites.push_back(text);
-  return static_cast<int64_t>(sites.size() - 1);
+  // Settings (configure()).
+  std::atomic<bool> check_enabled{false};
+  std::atomic<double> timeout_seconds{0.0};
+
+  // Kernel entries that found another vjpmpi kernel of this process still
+  // running: with a correct token chain this stays 0 (checked by the tests).
+  std::atomic<int64_t> in_flight{0};
+  std::atomic<int64_t> overlaps{0};
+  std::atomic<int64_t> calls{0};
+
+  // Opt-in trace (VJPMPI_TRACE=1 when the CPU module is loaded): the sequence of
+  // collectives this process ran, to compare across ranks.
+  const bool tracing = [] {
+    const char* v = std::getenv("VJPMPI_TRACE");
+    return v != nullptr && v[0] != '\0' && v[0] != '0';
+  }();
+  std::mutex trace_mutex;
+  std::vector<std::string> trace_log;
+
+  // The call the watchdog looks at: start time (ns since epoch, 0 = idle).
+  std::atomic<int64_t> watch_start{0};
+  std::atomic<int64_t> watch_site{0};
+  std::atomic<const char*> watch_op{nullptr};
+  std::atomic<MPI_Comm> watch_comm{MPI_COMM_NULL};
+  std::once_flag watchdog_started;
+};
+
+// Bump when Runtime changes (members, order or meaning).
+inline constexpr uint32_t kRuntimeLayout = 1;
+inline constexpr uint64_t kRuntimeMagic = 0x766a706d70697274ULL;  // "vjpmpirt"
+
+#define VJPMPI_STR2(x) #x
+#define VJPMPI_STR(x) VJPMPI_STR2(x)
+#if defined(OPEN_MPI) && OPEN_MPI
+#define VJPMPI_MPI_ABI "openmpi"
+#elif defined(MPICH_VERSION)
+#define VJPMPI_MPI_ABI "mpich"
+#else
+#define VJPMPI_MPI_ABI "unknown"
+#endif
+#ifdef __VERSION__
+#define VJPMPI_COMPILER __VERSION__
+#else
+#define VJPMPI_COMPILER "unknown compiler"
+#endif
+// What a module's Runtime layout depends on beyond the layout number and size.
+inline constexpr char kRuntimeBuild[] = VJPMPI_COMPILER
+    "; libstdc++ cxx11 abi " VJPMPI_STR(_GLIBCXX_USE_CXX11_ABI) "; MPI " VJPMPI_MPI_ABI;
+
+// What runtime_capsule() points at: a plain struct, checked field by field
+// before the Runtime behind it is used.
+struct RuntimeHandle {
+  uint64_t magic;
+  uint32_t layout;
+  uint32_t size;     // sizeof(Runtime)
+  char build[160];   // kRuntimeBuild
+  Runtime* runtime;
+};
+inline constexpr const char* kRuntimeCapsule = "vjpmpi.runtime";
+
+#ifdef VJPMPI_RUNTIME_OWNER
+inline Runtime owned_runtime;
+inline std::atomic<Runtime*> current_runtime{&owned_runtime};
+#else
+inline std::atomic<Runtime*> current_runtime{nullptr};  // set by AttachRuntime
+#endif
+
+inline Runtime* CurrentRuntime() { return current_runtime.load(std::memory_order_acquire); }
+
+inline RuntimeHandle MakeRuntimeHandle(Runtime* rt) {
+  RuntimeHandle h{};
+  h.magic = kRuntimeMagic;
+  h.layout = kRuntimeLayout;
+  h.size = static_cast<uint32_t>(sizeof(Runtime));
+  std::snprintf(h.build, sizeof(h.build), "%s", kRuntimeBuild);
+  h.runtime = rt;
+  return h;
 }
 
-inline std::string Site(int64_t id, const char* op) {
-  std::lock_guard<std::mutex> lock(site_mutex);
-  if (id > 0 && static_cast<size_t>(id) < sites.size()) return sites[id];
+// Attach this module to the runtime behind `h`; "" on success, else why not.
+inline std::string AttachRuntime(const RuntimeHandle* h, const char* module) {
+  std::string where = std::string("vjpmpi: cannot attach ") + module + " to vjpmpi's runtime: ";
+  if (h == nullptr || h->magic != kRuntimeMagic) {
+    return where + "the capsule does not hold a vjpmpi runtime handle";
+  }
+  RuntimeHandle mine = MakeRuntimeHandle(nullptr);
+  if (h->layout != mine.layout || h->size != mine.size ||
+      std::strncmp(h->build, mine.build, sizeof(mine.build)) != 0) {
+    return where + "it was built differently from the CPU module (runtime layout " +
+           std::to_string(h->layout) + ", " + std::to_string(h->size) + " bytes, built with " +
+           std::string(h->build, strnlen(h->build, sizeof(h->build))) + "; this module: layout " +
+           std::to_string(mine.layout) + ", " + std::to_string(mine.size) + " bytes, built with " +
+           mine.build + "). Reinstall vjpmpi so that all its modules come from one build.";
+  }
+  if (h->runtime == nullptr) return where + "the handle holds no runtime";
+  Runtime* expected = nullptr;
+  if (!current_runtime.compare_exchange_strong(expected, h->runtime) && expected != h->runtime) {
+    return where + "it is already attached to another runtime";
+  }
+  return {};
+}
+
+inline std::string Site(Runtime& rt, int64_t id, const char* op) {
+  std::lock_guard<std::mutex> lock(rt.site_mutex);
+  if (id > 0 && static_cast<size_t>(id) < rt.sites.size()) return rt.sites[id];
   return op;
 }
 
-// ----------------------------------------------------------- settings --
-inline std::atomic<bool> check_enabled{false};
-inline std::atomic<double> timeout_seconds{0.0};
-
-// ------------------------------------------------- counters and tracing --
-// Kernel entries that found another vjpmpi kernel of this process still
-// running: with a correct token chain this stays 0 (checked by the tests).
-inline std::atomic<int64_t> in_flight{0};
-inline std::atomic<int64_t> overlaps{0};
-inline std::atomic<int64_t> calls{0};
-
-// Opt-in trace (VJPMPI_TRACE=1 at import): the sequence of collectives this
-// process ran, to compare across ranks.
-inline const bool tracing = [] {
-  const char* v = std::getenv("VJPMPI_TRACE");
-  return v != nullptr && v[0] != '\0' && v[0] != '0';
-}();
-inline std::mutex trace_mutex;
-inline std::vector<std::string> trace_log;
-
-// The call the watchdog looks at: start time (ns since epoch, 0 = idle).
-inline std::atomic<int64_t> watch_start{0};
-inline std::atomic<int64_t> watch_site{0};
-inline std::atomic<const char*> watch_op{nullptr};
-inline std::atomic<MPI_Comm> watch_comm{MPI_COMM_NULL};
+inline int64_t RegisterSite(Runtime& rt, const std::string& text) {
+  std::lock_guard<std::mutex> lock(rt.site_mutex);
+  rt.sites.push_back(text);
+  return static_cast<int64_t>(rt.sites.size() - 1);
+}
 
 inline int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -68,25 +154,26 @@ inline int64_t NowNs() {
 }
 
 struct Guard {
-  Guard(const char* name, int64_t site, MPI_Comm comm) {
-    if (tracing) {
-      std::lock_guard<std::mutex> lock(trace_mutex);
-      trace_log.emplace_back(name);
+  Runtime& rt;
+  Guard(Runtime& r, const char* name, int64_t site, MPI_Comm comm) : rt(r) {
+    if (rt.tracing) {
+      std::lock_guard<std::mutex> lock(rt.trace_mutex);
+      rt.trace_log.emplace_back(name);
     }
-    calls.fetch_add(1, std::memory_order_relaxed);
-    if (in_flight.fetch_add(1, std::memory_order_acq_rel) != 0) {
-      overlaps.fetch_add(1, std::memory_order_relaxed);
+    rt.calls.fetch_add(1, std::memory_order_relaxed);
+    if (rt.in_flight.fetch_add(1, std::memory_order_acq_rel) != 0) {
+      rt.overlaps.fetch_add(1, std::memory_order_relaxed);
     }
-    if (timeout_seconds.load(std::memory_order_relaxed) > 0) {
-      watch_op.store(name);
-      watch_site.store(site);
-      watch_comm.store(comm);
-      watch_start.store(NowNs());
+    if (rt.timeout_seconds.load(std::memory_order_relaxed) > 0) {
+      rt.watch_op.store(name);
+      rt.watch_site.store(site);
+      rt.watch_comm.store(comm);
+      rt.watch_start.store(NowNs());
     }
   }
   ~Guard() {
-    watch_start.store(0);
-    in_flight.fetch_sub(1, std::memory_order_acq_rel);
+    rt.watch_start.store(0);
+    rt.in_flight.fetch_sub(1, std::memory_order_acq_rel);
   }
 };
 
@@ -112,14 +199,14 @@ inline void CopyText(char* dst, size_t n, const std::string& s) {
 
 // Before a collective: every rank of `c.comm` shares what it is about to run;
 // on disagreement every rank returns the same message listing all of them.
-inline std::string CheckCollective(const Call& c, int64_t site) {
+inline std::string CheckCollective(Runtime& rt, const Call& c, int64_t site) {
   Fingerprint mine{};
   CopyText(mine.op, sizeof(mine.op), c.op);
   mine.kind = static_cast<int32_t>(c.kind);
   mine.red = static_cast<int32_t>(c.red);
   mine.root = c.root;
   mine.count = static_cast<int64_t>(c.count);
-  CopyText(mine.where, sizeof(mine.where), Site(site, c.op));
+  CopyText(mine.where, sizeof(mine.where), Site(rt, site, c.op));
   int size = 1;
   MPI_Comm_size(c.comm, &size);
   std::vector<Fingerprint> all(size);
@@ -144,25 +231,26 @@ inline std::string CheckCollective(const Call& c, int64_t site) {
 }
 
 // ------------------------------------------------------------ watchdog --
-inline void Watchdog() {
+inline void Watchdog(Runtime* rtp) {
+  Runtime& rt = *rtp;
   for (;;) {
-    double limit = timeout_seconds.load();
+    double limit = rt.timeout_seconds.load();
     auto nap = std::chrono::milliseconds(limit < 2.0 ? 20 : 100);
     std::this_thread::sleep_for(nap);
-    int64_t start = watch_start.load();
+    int64_t start = rt.watch_start.load();
     if (start == 0 || limit <= 0) continue;
     double waited = (NowNs() - start) * 1e-9;
     if (waited < limit) continue;
     int world = 0, size = 0, rank = -1, csize = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &world);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
-    MPI_Comm comm = watch_comm.load();
+    MPI_Comm comm = rt.watch_comm.load();
     if (comm != MPI_COMM_NULL) {
       MPI_Comm_rank(comm, &rank);
       MPI_Comm_size(comm, &csize);
     }
-    const char* op = watch_op.load();
-    std::string where = Site(watch_site.load(), op ? op : "?");
+    const char* op = rt.watch_op.load();
+    std::string where = Site(rt, rt.watch_site.load(), op ? op : "?");
     std::fprintf(stderr,
                  "vjpmpi: timeout (VJPMPI_TIMEOUT=%g s): rank %d of %d has waited %.1f s in "
                  "%s, on a communicator of %d ranks (rank %d there); the other ranks did not "
@@ -174,12 +262,13 @@ inline void Watchdog() {
   }
 }
 
-inline void Configure(bool check, double timeout) {
-  check_enabled.store(check);
-  timeout_seconds.store(timeout);
-  static std::once_flag started;
+// One watchdog per runtime, whichever module configures it.
+inline void Configure(Runtime& rt, bool check, double timeout) {
+  rt.check_enabled.store(check);
+  rt.timeout_seconds.store(timeout);
   if (timeout > 0) {
-    std::call_once(started, [] { std::thread(Watchdog).detach(); });
+    Runtime* p = &rt;
+    std::call_once(rt.watchdog_started, [p] { std::thread(Watchdog, p).detach(); });
   }
 }
 

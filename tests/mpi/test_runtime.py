@@ -1,0 +1,168 @@
+"""One runtime for every backend, and one source (the C++ tables) for the codes.
+
+- The CUDA module's handlers use the CPU module's runtime: call sites, counters,
+  trace and settings are the same whichever backend runs a call (no GPU needed:
+  a test hook enters the same guard a CUDA handler enters).
+- Python's reduction codes and supported dtypes are read from the compiled
+  kernels; each code runs the MPI op of its name, each dtype moves intact.
+"""
+
+import ctypes
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import vjpmpi
+from vjpmpi import _kernels, _mpi
+
+from helpers import DTYPES, WORLD, assert_equal, data, identity, np_reduce
+
+rank, size = WORLD.rank, WORLD.size
+
+needs_cuda_module = pytest.mark.skipif(
+    _kernels.cuda is None,
+    reason="the CUDA module (_vjpmpi_cuda) was not built: no CUDA toolkit at build time")
+
+
+# ------------------------------------------------------------ one runtime --
+@needs_cuda_module
+def test_cuda_module_shares_the_cpu_runtime():
+    cpu, cuda = _kernels.cpu, _kernels.cuda
+    assert cuda._runtime_address() == cpu._runtime_address() != 0
+    # a site registered once: the same id and text in both modules' handlers
+    text = f"probe(rank={rank}) at test_runtime.py"
+    site = _kernels.register_site(text)
+    assert site > 0
+    assert cuda._site_for_test(site) == cpu._site_for_test(site) == text
+    # a call entered through the CUDA module's code path is counted, and traced,
+    # by the one runtime vjpmpi reads
+    tracing = _kernels.trace_enabled()
+    if tracing:
+        vjpmpi.take_trace()
+    calls, overlaps = _kernels.call_counts()
+    cuda._guard_for_test("cuda_probe", site)
+    cpu._guard_for_test("cpu_probe", site)
+    assert _kernels.call_counts() == (calls + 2, overlaps)
+    if tracing:  # (also checked with tracing on in tests/test_install.py)
+        assert vjpmpi.take_trace() == ["cuda_probe", "cpu_probe"]
+
+
+class _Handle(ctypes.Structure):  # mirrors RuntimeHandle in csrc/vjpmpi_runtime.h
+    _fields_ = [("magic", ctypes.c_uint64), ("layout", ctypes.c_uint32),
+                ("size", ctypes.c_uint32), ("build", ctypes.c_char * 160),
+                ("runtime", ctypes.c_void_p)]
+
+
+_CAPSULE = b"vjpmpi.runtime"
+_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_get_pointer.restype, _get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+_new_capsule = ctypes.pythonapi.PyCapsule_New
+_new_capsule.restype = ctypes.py_object
+_new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+@needs_cuda_module
+def test_attach_refuses_a_runtime_from_another_build():
+    cpu, cuda = _kernels.cpu, _kernels.cuda
+    real = _Handle.from_address(_get_pointer(cpu.runtime_capsule(), _CAPSULE))
+    assert real.runtime == cpu._runtime_address()
+    cuda.attach_runtime(cpu.runtime_capsule())  # again, the same runtime: fine
+
+    with pytest.raises(TypeError, match="attach_runtime expects the capsule of "
+                                        r"_vjpmpi_cpu\.runtime_capsule\(\)"):
+        cuda.attach_runtime(cpu.registrations()["allreduce"])
+    with pytest.raises(TypeError, match="expects the capsule"):
+        cuda.attach_runtime(object())
+
+    keep = []
+
+    def attach(**changes):
+        fake = _Handle.from_buffer_copy(real)
+        for k, v in changes.items():
+            setattr(fake, k, v)
+        keep.append(fake)
+        cuda.attach_runtime(_new_capsule(ctypes.addressof(fake), _CAPSULE, None))
+
+    built_differently = "built differently from the CPU module .* Reinstall vjpmpi"
+    with pytest.raises(RuntimeError, match=built_differently):
+        attach(layout=real.layout + 1)
+    with pytest.raises(RuntimeError, match=built_differently):
+        attach(size=real.size + 8)
+    with pytest.raises(RuntimeError, match=built_differently):
+        attach(build=b"another compiler")
+    with pytest.raises(RuntimeError, match="does not hold a vjpmpi runtime handle"):
+        attach(magic=0)
+    with pytest.raises(RuntimeError, match="holds no runtime"):
+        attach(runtime=None)
+    with pytest.raises(RuntimeError, match="already attached to another runtime"):
+        attach(runtime=ctypes.addressof(keep[0]))  # (never dereferenced)
+    # nothing changed
+    assert cuda._runtime_address() == cpu._runtime_address()
+
+
+# ---------------------------------------------------------- one code table --
+def test_python_codes_come_from_the_kernels():
+    names = tuple(_kernels.cpu.reductions())
+    assert _mpi.RED_NAMES == names
+    assert len(set(names)) == len(names)
+    for code, name in enumerate(names):
+        assert getattr(_mpi, name) == code
+        assert isinstance(getattr(MPI, name), MPI.Op), name
+        assert _mpi.as_red(getattr(MPI, name), "test") == code
+        assert _mpi.as_red(name.lower(), "test") == code
+    kernel_dtypes = {_mpi._numpy_dtype(n) for n in _kernels.cpu.dtypes()}
+    assert _mpi._DTYPES == kernel_dtypes
+    assert set(DTYPES) == kernel_dtypes  # the suite covers every supported dtype
+    for d in kernel_dtypes:
+        assert _mpi.check_dtype(d, "test") == d
+
+
+@needs_cuda_module
+def test_cuda_module_exports_the_same_tables():
+    assert _kernels.cuda.reductions() == _kernels.cpu.reductions()
+    assert _kernels.cuda.dtypes() == _kernels.cpu.dtypes()
+
+
+def _defined(name, dtype):
+    try:
+        return _mpi.check_red_dtype(_mpi.as_red(name, "test"), dtype, "test") == \
+            _mpi.as_red(name, "test")
+    except TypeError:
+        return False
+
+
+# every reduction of the table on int32, and those defined for floats on float64
+_RED_CASES = [(name, np.dtype(t)) for t in ("int32", "float64") for name in _kernels.REDUCTIONS
+              if _defined(name, np.dtype(t))]
+
+
+@pytest.mark.parametrize("name, dtype", _RED_CASES, ids=[f"{n}-{d}" for n, d in _RED_CASES])
+def test_each_code_runs_the_mpi_op_of_its_name(name, dtype):
+    """A code that Python and C++ read differently runs another op: the result then
+    differs from mpi4py's op of that name and from NumPy (exscan's identity on rank 0
+    tells the ops apart at one rank too)."""
+    x = data((7,), dtype, rank, salt=3)
+    xs = WORLD.allgather(x)
+    expected = np_reduce(name, xs, dtype)
+    by_mpi4py = np.empty_like(x)
+    WORLD.Allreduce(x, by_mpi4py, op=getattr(MPI, name))
+    assert_equal(by_mpi4py, expected)
+    assert_equal(vjpmpi.allreduce(jnp.asarray(x), getattr(MPI, name)), expected)
+    assert_equal(vjpmpi.allreduce(jnp.asarray(x), name), expected)
+    prefix = identity(name, x.shape, dtype) if rank == 0 else np_reduce(name, xs[:rank], dtype)
+    assert_equal(vjpmpi.exscan(jnp.asarray(x), getattr(MPI, name)), prefix)
+
+
+@pytest.mark.parametrize("name", _kernels.DTYPES)
+def test_every_dtype_round_trips_allgather(name):
+    dtype = _mpi._numpy_dtype(name)
+    assert str(dtype) == name
+    x = data((5,), dtype, rank, salt=11)
+    assert_equal(vjpmpi.allgather(jnp.asarray(x)), np.stack(WORLD.allgather(x)))
+
+
+def test_trace_flag_is_the_environments():
+    assert _kernels.trace_enabled() == (os.environ.get("VJPMPI_TRACE", "") not in ("", "0"))
