@@ -102,9 +102,21 @@ def as_comm(comm: Any, op: str) -> CommRef:
 # table (`VJPMPI_REDUCTIONS` in csrc/vjpmpi_mpi.h, the one source), each name
 # that of its mpi4py op.
 RED_NAMES: tuple[str, ...] = _kernels.REDUCTIONS
-_RED_BY_HANDLE = {getattr(MPI, n).handle: i for i, n in enumerate(RED_NAMES)}
+
+
+class Reduction(int):
+    """A reduction code that shows as its name (`red=MAX` in a jaxpr)."""
+
+    def __repr__(self) -> str:
+        return RED_NAMES[self]
+
+    __str__ = __repr__
+
+
+_CODES = tuple(Reduction(i) for i in range(len(RED_NAMES)))
+_RED_BY_HANDLE = {getattr(MPI, n).handle: _CODES[i] for i, n in enumerate(RED_NAMES)}
 SUM, PROD, MAX, MIN, LAND, LOR, LXOR, BAND, BOR, BXOR = (
-    RED_NAMES.index(n)
+    _CODES[RED_NAMES.index(n)]
     for n in ("SUM", "PROD", "MAX", "MIN", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
 )
 
@@ -114,7 +126,7 @@ def as_red(op: Any, name: str) -> int:
     if isinstance(op, str):
         key = op.upper()
         if key in RED_NAMES:
-            return RED_NAMES.index(key)
+            return _CODES[RED_NAMES.index(key)]
     elif isinstance(op, MPI.Op) and op.handle in _RED_BY_HANDLE:
         return _RED_BY_HANDLE[op.handle]
     raise ValueError(

@@ -60,6 +60,8 @@ def test_jaxpr_shows_only_the_parameters_an_op_uses(name):
     assert {k: eqn.params[k] for k in expected} == expected
     assert eqn.params["comm"].size == size
     text = str(jaxpr)
+    if "red" in expected:  # reductions show by name
+        assert f"red={['SUM', 'PROD', 'MAX', 'MIN'][expected['red']]}" in text, text
     for unused in {"red", "root", "peer", "peer2", "tag", "tag2", "status"} - set(expected):
         assert not re.search(rf"\b{unused}=", text), (unused, text)
 

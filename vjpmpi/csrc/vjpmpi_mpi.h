@@ -198,27 +198,25 @@ inline MPI_Op HalfOp(bool bf16, Red r) {
   return ops[bf16 ? 1 : 0][static_cast<int>(r)];
 }
 
-inline MPI_Datatype Datatype(Kind k) {
+// The MPI datatype an element kind travels as, and its size in bytes.
+struct KindInfo {
+  MPI_Datatype type;
+  size_t bytes;
+};
+
+inline KindInfo Info(Kind k) {
   switch (k) {
 #define VJPMPI_X(e, name, xla, mpi, bytes) \
   case Kind::e:                            \
-    return mpi;
+    return {mpi, bytes};
     VJPMPI_KINDS(VJPMPI_X)
 #undef VJPMPI_X
-    default: return MPI_DATATYPE_NULL;
+    default: return {MPI_DATATYPE_NULL, 0};
   }
 }
 
-inline size_t ByteSize(Kind k) {
-  switch (k) {
-#define VJPMPI_X(e, name, xla, mpi, bytes) \
-  case Kind::e:                            \
-    return bytes;
-    VJPMPI_KINDS(VJPMPI_X)
-#undef VJPMPI_X
-    default: return 0;
-  }
-}
+inline MPI_Datatype Datatype(Kind k) { return Info(k).type; }
+inline size_t ByteSize(Kind k) { return Info(k).bytes; }
 
 // The MPI_Op for a reduction code on an element kind; MPI_OP_NULL if the pair
 // is not supported (Python validates first, this is the backstop).
@@ -378,14 +376,20 @@ inline int Rank(MPI_Comm c) { int r = 0; MPI_Comm_rank(c, &r); return r; }
 // ----------------------------------------------------- one per call shape --
 inline bool Half(Kind k) { return k == Kind::kF16 || k == Kind::kBF16; }
 
+// Allreduce, Scan and Exscan: one element-wise reduction call each, in place when
+// XLA aliased the buffers.
+#define VJPMPI_ELEMENTWISE(fn)                                                           \
+  [](const Call& c, const void* send, void* recv) -> std::string {                      \
+    auto e = CountCheck(c.count, c.op, Half(c.kind));                                   \
+    if (!e.empty()) return e;                                                            \
+    const void* s = send == recv ? MPI_IN_PLACE : send;                                  \
+    MPI_Datatype t = Datatype(c.kind);                                                   \
+    MPI_Op op = Operation(c.red, c.kind);                                                \
+    return Check(VJPMPI_BY_COUNT(c.count, fn, s, recv, n, t, op, c.comm), c.op, #fn);   \
+  }(c, send, recv)
+
 inline std::string Allreduce(const Call& c, const void* send, void* recv) {
-  auto e = CountCheck(c.count, c.op, Half(c.kind));
-  if (!e.empty()) return e;
-  const void* s = send == recv ? MPI_IN_PLACE : send;
-  MPI_Datatype t = Datatype(c.kind);
-  MPI_Op op = Operation(c.red, c.kind);
-  return Check(VJPMPI_BY_COUNT(c.count, MPI_Allreduce, s, recv, n, t, op, c.comm), c.op,
-               "MPI_Allreduce");
+  return VJPMPI_ELEMENTWISE(MPI_Allreduce);
 }
 
 inline std::string Reduce(const Call& c, const void* send, void* recv) {
@@ -525,21 +529,11 @@ inline std::string ReduceScatter(const Call& c, const void* send, void* recv) {
 }
 
 inline std::string Scan(const Call& c, const void* send, void* recv) {
-  auto e = CountCheck(c.count, c.op, Half(c.kind));
-  if (!e.empty()) return e;
-  const void* s = send == recv ? MPI_IN_PLACE : send;
-  MPI_Datatype t = Datatype(c.kind);
-  MPI_Op op = Operation(c.red, c.kind);
-  return Check(VJPMPI_BY_COUNT(c.count, MPI_Scan, s, recv, n, t, op, c.comm), c.op, "MPI_Scan");
+  return VJPMPI_ELEMENTWISE(MPI_Scan);
 }
 
 inline std::string Exscan(const Call& c, const void* send, void* recv) {
-  auto e = CountCheck(c.count, c.op, Half(c.kind));
-  if (!e.empty()) return e;
-  const void* s = send == recv ? MPI_IN_PLACE : send;
-  MPI_Datatype t = Datatype(c.kind);
-  MPI_Op op = Operation(c.red, c.kind);
-  e = Check(VJPMPI_BY_COUNT(c.count, MPI_Exscan, s, recv, n, t, op, c.comm), c.op, "MPI_Exscan");
+  std::string e = VJPMPI_ELEMENTWISE(MPI_Exscan);
   if (e.empty() && Rank(c.comm) == 0) {
     if (c.device) {  // fill on the host, then copy to the device buffer
       std::vector<unsigned char> host(c.count * ByteSize(c.kind));

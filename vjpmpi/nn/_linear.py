@@ -86,8 +86,8 @@ class ColumnParallelLinear(_ShardedLinear):
     def __init__(self, in_features: int, out_features: int, use_bias: bool = True, *,
                  gather_output: bool = False, comm=None, key: PRNGKeyArray | None = None,
                  dense: eqx.nn.Linear | None = None):
-        self._shard(in_features, out_features, use_bias, key, dense, comm)
         self.gather_output = gather_output
+        self._shard(in_features, out_features, use_bias, key, dense, comm)
 
     def __call__(self, x: Float[Array, " in"], *, key=None) -> Float[Array, " out"]:
         y = self.weight @ use_replicated(x, comm=self.comm.comm)
