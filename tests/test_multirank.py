@@ -1,31 +1,169 @@
-"""Run the multi-rank suite (tests/mpi) at 1, 2, 3 and 4 ranks, each in its own mpiexec.
+"""Run the multi-rank suite (tests/mpi) at 1, 2, 3 and 4 ranks, each in its own mpiexec,
+and check what ran against tests/expected_counts.json.
 
 The platform runs of `.ci/run` select with the environment:
   VJPMPI_TEST_RANKS   rank counts, e.g. "2" (default "1,2,3,4")
-  VJPMPI_TEST_FILES   the part of tests/mpi to run, e.g. "mpi/test_collectives.py"
-                      (default: all of it)
+  VJPMPI_TEST_FILES   the part of tests/mpi to run: test files or folders, e.g.
+                      "mpi/test_collectives.py" (default: all of it)
   VJPMPI_TEST_NETWORK "1": every message through MPI's network module over loopback
                       (shared memory off; `_mpirun.NETWORK_ENV`)
+
+Every rank writes a JUnit file; per test file and rank count the ranks must agree on
+every test's outcome, and the numbers of passed and skipped tests, the tests run per
+test function and the skipped tests with their reasons must equal the table's entry
+(only the files of the run are checked, so the platform subsets are checked too). A
+test that newly skips, a test that no longer runs, a skip that now passes, or a (file,
+rank count) pair missing from the table fails, naming the file, the rank count, the
+expected and the measured numbers and the tests concerned.
+
+Skips that depend on the machine rather than on the code (no GPU for JAX, the CUDA
+module not built) are listed with their reasons under "environment_skips" in the
+table: a test recorded as passing may skip with one of those reasons, and one recorded
+as skipped with one of them may pass; every other difference fails.
+
+After adding, removing or re-parametrizing tests on purpose, regenerate the table:
+  VJPMPI_UPDATE_COUNTS=1 .venv/bin/pytest tests/test_multirank.py
+writes the measured entries for the files and rank counts of the run into the table
+(other entries are kept; entries of files that no longer exist are dropped) instead of
+comparing; VJPMPI_TEST_FILES / VJPMPI_TEST_RANKS narrow it to what changed. Review the
+diff of tests/expected_counts.json before committing it.
 """
 
+import collections
+import json
 import os
 import re
+import xml.etree.ElementTree as ET
 
 import pytest
 
-from _mpirun import mpirun, network_env
+from _mpirun import TESTS, mpirun, network_env
 
 TIMEOUT = 900  # seconds per rank count; a deadlock fails the run instead of hanging CI
 RANKS = [int(n) for n in os.environ.get("VJPMPI_TEST_RANKS", "1,2,3,4").split(",")]
 FILES = os.environ.get("VJPMPI_TEST_FILES", "mpi").split()
 NETWORK = os.environ.get("VJPMPI_TEST_NETWORK", "") not in ("", "0")
+UPDATE = os.environ.get("VJPMPI_UPDATE_COUNTS", "") not in ("", "0")
+TABLE = TESTS / "expected_counts.json"
+
+
+def run_files() -> list[str]:
+    """The test files of the run, as keys of the table ("mpi/test_api.py")."""
+    files = []
+    for entry in FILES:
+        assert "::" not in entry and not entry.startswith("-"), (
+            f"VJPMPI_TEST_FILES takes test files or folders (counts are per file): {entry!r}")
+        path = (TESTS / entry).resolve()
+        found = sorted(path.glob("test_*.py")) if path.is_dir() else [path]
+        assert found and all(p.is_file() for p in found), f"no test files at {entry!r}"
+        files += [p.relative_to(TESTS).as_posix() for p in found]
+    return sorted(set(files))
+
+
+def read_junit(path, files) -> dict[str, dict[str, tuple[str, str]]]:
+    """{file: {test id: (outcome, skip reason or message)}} from one rank's JUnit file."""
+    modules = {f.rsplit("/", 1)[-1].removesuffix(".py"): f for f in files}
+    results = {f: {} for f in files}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        parts = case.get("classname", "").split(".")
+        where = [i for i, p in enumerate(parts) if p in modules]
+        file = modules[parts[where[0]]] if where else "(not a test file of the run)"
+        classes = parts[where[0] + 1:] if where else parts
+        test_id = "::".join([*classes, case.get("name")])
+        outcome, reason = "passed", ""
+        for child in case:
+            if child.tag == "skipped":
+                outcome, reason = "skipped", child.get("message", "")
+            elif child.tag in ("failure", "error"):
+                outcome, reason = "failed", child.get("message", "")
+        results.setdefault(file, {})[test_id] = (outcome, reason)
+    return results
+
+
+def summarize(tests: dict[str, tuple[str, str]]) -> dict:
+    """One table entry: counts, skipped tests with reasons, tests run per function."""
+    outcomes = collections.Counter(outcome for outcome, _ in tests.values())
+    entry = {
+        "passed": outcomes.pop("passed", 0),
+        "skipped": outcomes.pop("skipped", 0),
+        "skips": {t: r for t, (o, r) in sorted(tests.items()) if o == "skipped"},
+        "tests": dict(sorted(collections.Counter(t.split("[")[0] for t in tests).items())),
+    }
+    if outcomes:  # failed (the run's exit code catches these first)
+        entry["other"] = dict(outcomes)
+    return entry
+
+
+def regenerate_hint(file, nprocs) -> str:
+    return (f"regenerate the entry with\n"
+            f"    VJPMPI_UPDATE_COUNTS=1 VJPMPI_TEST_FILES={file} VJPMPI_TEST_RANKS={nprocs} "
+            f".venv/bin/pytest tests/test_multirank.py\n"
+            f"  (or the whole table: VJPMPI_UPDATE_COUNTS=1 .venv/bin/pytest "
+            f"tests/test_multirank.py) and review the diff of tests/{TABLE.name}")
+
+
+def compare(file, nprocs, want, tests, env_reasons) -> list[str]:
+    """What differs between the table's entry `want` and the measured `tests`."""
+    got = summarize(tests)
+    where = f"{file} at {nprocs} ranks"
+    measured = f"got {got['passed']} passed, {got['skipped']} skipped"
+    if want is None:
+        return [f"{where}: no entry in tests/{TABLE.name} ({measured});\n  "
+                + regenerate_hint(file, nprocs)]
+    problems, notes = [], []
+    if got.get("other"):
+        problems.append(f"other outcomes: {got['other']}")
+    swapped = 0  # passes that became environment skips, less the reverse
+    for t, r in got["skips"].items():
+        old = want["skips"].get(t)
+        if old is None:
+            if r in env_reasons and t.split("[")[0] in want["tests"]:
+                notes.append(f"skipped here: {t} ({r})")
+                swapped += 1
+            else:
+                problems.append(f"new skip: {t} ({r})")
+        elif old is not None and r != old and not (old in env_reasons and r in env_reasons):
+            problems.append(f"skip reason changed: {t} ({old} -> {r})")
+    for t, r in want["skips"].items():
+        if tests.get(t, ("",))[0] == "passed":
+            if r in env_reasons:
+                notes.append(f"passed here: {t} (skipped in the table: {r})")
+                swapped -= 1
+            else:
+                problems.append(f"no longer skipped: {t} (was: {r})")
+    for fn in sorted(set(want["tests"]) | set(got["tests"])):
+        w, g = want["tests"].get(fn, 0), got["tests"].get(fn, 0)
+        if g < w:
+            problems.append(f"missing: {fn} ran {g} of its {w} tests")
+        elif g > w:
+            problems.append(f"not in the table: {fn} ran {g} tests, the table has {w}")
+    # the counts, where environment skips may stand in for passes and the other way round
+    allowed = (want["passed"] - swapped, want["skipped"] + swapped)
+    if (got["passed"], got["skipped"]) != allowed:
+        problems.append(f"counts differ (allowing for environment skips: expected "
+                        f"{allowed[0]} passed, {allowed[1]} skipped)")
+    if not problems:
+        return []
+    lines = [f"{where}: expected {want['passed']} passed, {want['skipped']} skipped; {measured}"]
+    lines += [f"  {p}" for p in problems]
+    lines += [f"  (allowed, environment-dependent: {n})" for n in notes]
+    lines.append("  if the change is intended, " + regenerate_hint(file, nprocs))
+    return lines
+
+
+def load_table() -> dict:
+    if not TABLE.exists():
+        return {"environment_skips": {}, "counts": {}}
+    return json.loads(TABLE.read_text())
 
 
 @pytest.mark.parametrize("nprocs", RANKS)
-def test_suite(nprocs):
+def test_suite(nprocs, tmp_path):
+    files = run_files()
     run = mpirun(
         nprocs,
-        ["-m", "pytest", *FILES, "-q", "-p", "no:cacheprovider", "-x"],
+        ["-m", "pytest", *FILES, "-q", "-p", "no:cacheprovider", "-x",
+         f"--junitxml={tmp_path}/results.rank{{rank}}.xml"],
         timeout=TIMEOUT * (2 if NETWORK else 1),
         env=network_env() if NETWORK else None,
     )
@@ -34,7 +172,46 @@ def test_suite(nprocs):
     )
     counts = re.findall(r"(\d+) passed", run.output)
     assert len(counts) == nprocs, run.describe()
-    print(f"{nprocs} ranks: {counts[0]} passed on each rank")
+
+    # every rank's results, and all ranks agree on every test's outcome
+    per_rank = []
+    for r in range(nprocs):
+        path = tmp_path / f"results.rank{r}.xml"
+        assert path.exists(), f"rank {r} of {nprocs} wrote no JUnit file\n" + run.describe()
+        per_rank.append(read_junit(path, files))
+    first = per_rank[0]
+    for r, results in enumerate(per_rank[1:], 1):
+        differ = sorted(
+            f"{f}::{t}: rank 0 {first.get(f, {}).get(t)}, rank {r} {results.get(f, {}).get(t)}"
+            for f in set(results) | set(first)
+            for t in set(results.get(f, {})) | set(first.get(f, {}))
+            if results.get(f, {}).get(t) != first.get(f, {}).get(t))
+        assert not differ, f"ranks disagree at {nprocs} ranks:\n" + "\n".join(differ)
+    stray = set(per_rank[0]) - set(files)
+    assert not stray, f"results outside the run's files: {per_rank[0][min(stray)]}"
+
+    measured = {f: summarize(per_rank[0][f]) for f in files}
+    for f, entry in measured.items():
+        print(f"{nprocs} ranks: {f}: {entry['passed']} passed, {entry['skipped']} skipped "
+              "on each rank")
+
+    table = load_table()
+    if UPDATE:
+        for f, entry in measured.items():
+            table["counts"].setdefault(f, {})[str(nprocs)] = entry
+        table["counts"] = {f: dict(sorted(v.items(), key=lambda kv: int(kv[0])))
+                           for f, v in sorted(table["counts"].items()) if (TESTS / f).exists()}
+        TABLE.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"VJPMPI_UPDATE_COUNTS: wrote {len(measured)} entries at {nprocs} ranks to {TABLE}")
+        return
+    env_reasons = set(table["environment_skips"])
+    problems = []
+    for f in files:
+        problems += compare(f, nprocs, table["counts"].get(f, {}).get(str(nprocs)),
+                            per_rank[0][f], env_reasons)
+    if problems:
+        pytest.fail(f"tests run at {nprocs} ranks differ from {TABLE}:\n" + "\n".join(problems),
+                    pytrace=False)
 
 
 MISMATCH = """

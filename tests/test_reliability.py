@@ -2,7 +2,10 @@
 use after MPI_Finalize, messages over 2**31 elements, 8 oversubscribed ranks.
 
 Each case runs its own program under mpiexec (with a hard timeout) and checks
-what the user sees and how fast the job ends.
+what the user sees and how fast the job ends. The cases where the number of ranks
+matters (the mismatch check, the timeout watchdog, a failing rank, MPI_Finalize) run
+at 2 and 3 ranks: at 3, one rank against two others, and ranks that are neither the
+first nor the one that goes wrong.
 """
 
 import re
@@ -36,6 +39,7 @@ def run_script(tmp_path, body, nprocs=2, timeout=120, env=None, argv=()):
 
 
 CHECK = {"VJPMPI_CHECK": "1"}
+NPROCS = pytest.mark.parametrize("nprocs", [2, 3])
 
 
 def report(run, needle):
@@ -43,7 +47,8 @@ def report(run, needle):
     return [ln for ln in run.output.splitlines() if needle in ln]
 
 
-def test_check_names_each_ranks_collective(tmp_path):
+@NPROCS
+def test_check_names_each_ranks_collective(tmp_path, nprocs):
     run, took = run_script(tmp_path, """
         def f(x):
             if rank == 0:
@@ -53,18 +58,24 @@ def test_check_names_each_ranks_collective(tmp_path):
             jax.jit(f)(jnp.ones((10, 100), jnp.float32)).block_until_ready()
         except Exception as e:
             say(f"rank {rank} caught:", e)
-    """, env=CHECK, timeout=60)
+    """, nprocs=nprocs, env=CHECK, timeout=60)
     assert run.returncode == 0 and not run.timed_out, run.describe()
-    assert len(report(run, "caught: ")) == 2, run.describe()  # every rank raises
-    assert "collective mismatch (VJPMPI_CHECK)" in run.output
+    assert len(report(run, "caught: ")) == nprocs, run.describe()  # every rank raises
+    assert f"collective mismatch (VJPMPI_CHECK) on a communicator of {nprocs} ranks" in run.output
+    # every rank's report names every rank's collective
+    assert len(report(run, "rank 0: bcast(root=0) on float32[10, 100] at")) == nprocs, \
+        run.describe()
     assert re.search(r"rank 0: bcast\(root=0\) on float32\[10, 100\] at \S+prog.py:\d+ \(f\)",
                      run.output), run.describe()
-    assert re.search(r"rank 1: allreduce\(SUM\) on float32\[10, 100\] at \S+prog.py:\d+ \(f\)",
-                     run.output), run.describe()
-    print(f"mismatch reported on both ranks, job done in {took:.1f} s")
+    for r in range(1, nprocs):
+        assert re.search(rf"rank {r}: allreduce\(SUM\) on float32\[10, 100\] at \S+prog.py:\d+ "
+                         r"\(f\)", run.output), run.describe()
+        assert len(report(run, f"rank {r}: allreduce(SUM) on float32[10, 100] at")) == nprocs
+    print(f"mismatch reported on all {nprocs} ranks, job done in {took:.1f} s")
 
 
-def test_check_catches_shape_and_root_differences(tmp_path):
+@NPROCS
+def test_check_catches_shape_and_root_differences(tmp_path, nprocs):
     run, _ = run_script(tmp_path, """
         cases = {
             "shape": lambda: vjpmpi.allreduce(jnp.ones(10 + rank), MPI.SUM),
@@ -79,15 +90,16 @@ def test_check_catches_shape_and_root_differences(tmp_path):
             except Exception as e:
                 say(f"rank {rank} {name}: mismatch={'collective mismatch' in str(e)}")
         say(f"rank {rank} after:", vjpmpi.allreduce(jnp.ones(2), MPI.SUM))
-    """, env=CHECK, timeout=60)
+    """, nprocs=nprocs, env=CHECK, timeout=60)
     assert run.returncode == 0 and not run.timed_out, run.describe()
     for case in ("shape", "root", "op", "dtype"):
-        assert len(report(run, f"{case}: mismatch=True")) == 2, run.describe()
+        assert len(report(run, f"{case}: mismatch=True")) == nprocs, run.describe()
     # after the reported mismatches the ranks are still in step
-    assert len(report(run, "after: [2. 2.]")) == 2, run.describe()
+    assert len(report(run, f"after: [{nprocs}. {nprocs}.]")) == nprocs, run.describe()
 
 
-def test_check_catches_forward_against_backward(tmp_path):
+@NPROCS
+def test_check_catches_forward_against_backward(tmp_path, nprocs):
     run, _ = run_script(tmp_path, """
         def loss(x):
             return jnp.sum(vjpmpi.bcast(x, 0) ** 2)
@@ -100,11 +112,13 @@ def test_check_catches_forward_against_backward(tmp_path):
                 jax.jit(loss)(x).block_until_ready()             # bcast: meets the reduce
         except Exception as e:
             say(f"rank {rank} caught:", e)
-    """, env=CHECK, timeout=60)
+    """, nprocs=nprocs, env=CHECK, timeout=60)
     assert run.returncode == 0 and not run.timed_out, run.describe()
-    assert len(report(run, "caught: ")) == 2, run.describe()
+    assert len(report(run, "caught: ")) == nprocs, run.describe()
     assert re.search(r"rank 0: reduce\(SUM, root=0\) on float32\[4\] \[backward\] at", run.output)
-    assert re.search(r"rank 1: bcast\(root=0\) on float32\[4\] at", run.output)
+    for r in range(1, nprocs):
+        assert re.search(rf"rank {r}: bcast\(root=0\) on float32\[4\] at", run.output), \
+            run.describe()
 
 
 def test_check_passes_the_collective_autodiff_and_order_suites(tmp_path):
@@ -155,14 +169,17 @@ HANG = """
 """
 
 
-def test_timeout_names_the_stuck_call_and_aborts(tmp_path):
-    run, took = run_script(tmp_path, HANG, env={"VJPMPI_TIMEOUT": "3"}, timeout=120)
+@NPROCS
+def test_timeout_names_the_stuck_call_and_aborts(tmp_path, nprocs):
+    run, took = run_script(tmp_path, HANG, nprocs=nprocs, env={"VJPMPI_TIMEOUT": "3"},
+                           timeout=120)
     assert not run.timed_out and run.returncode != 0, run.describe()
-    assert re.search(r"vjpmpi: timeout \(VJPMPI_TIMEOUT=3 s\): rank 0 of 2 has waited 3\.\d s "
-                     r"in allreduce\(SUM\) on float32\[1000\] at \S+prog.py:\d+", run.output), \
+    assert re.search(rf"vjpmpi: timeout \(VJPMPI_TIMEOUT=3 s\): rank 0 of {nprocs} has waited "
+                     r"3\.\d s in allreduce\(SUM\) on float32\[1000\] at \S+prog.py:\d+ \S+, "
+                     rf"on a communicator of {nprocs} ranks \(rank 0 there\)", run.output), \
         run.describe()
     assert took < 60, f"job took {took:.1f} s to end"
-    print(f"timeout 3 s: job ended after {took:.1f} s")
+    print(f"timeout 3 s at {nprocs} ranks: job ended after {took:.1f} s")
 
 
 FAIL = """
@@ -173,23 +190,31 @@ FAIL = """
 """
 
 
-def test_failing_rank_ends_job_with_mpi4py_launcher(tmp_path):
-    run, took = run_script(tmp_path, FAIL, argv=["-m", "mpi4py"], timeout=120)
+@NPROCS
+def test_failing_rank_ends_job_with_mpi4py_launcher(tmp_path, nprocs):
+    run, took = run_script(tmp_path, FAIL, nprocs=nprocs, argv=["-m", "mpi4py"], timeout=120)
     assert not run.timed_out and run.returncode != 0, run.describe()
     assert "ValueError: boom on rank 1" in run.output and "Traceback" in run.output
     assert took < 60, f"job took {took:.1f} s to end"
-    print(f"python -m mpi4py: job ended {took:.1f} s after start")
+    print(f"python -m mpi4py at {nprocs} ranks: job ended {took:.1f} s after start")
 
 
-def test_failing_rank_ends_job_with_timeout(tmp_path):
-    run, took = run_script(tmp_path, FAIL, env={"VJPMPI_TIMEOUT": "5"}, timeout=120)
+@NPROCS
+def test_failing_rank_ends_job_with_timeout(tmp_path, nprocs):
+    run, took = run_script(tmp_path, FAIL, nprocs=nprocs, env={"VJPMPI_TIMEOUT": "5"},
+                           timeout=120)
     assert not run.timed_out and run.returncode != 0, run.describe()
     assert "ValueError: boom on rank 1" in run.output
-    assert "vjpmpi: timeout" in run.output, run.describe()
-    print(f"plain python + VJPMPI_TIMEOUT=5: job ended {took:.1f} s after start")
+    # a rank still waiting for rank 1 names its call (rank 1 itself never got there)
+    waiting = "|".join(str(r) for r in range(nprocs) if r != 1)
+    assert re.search(rf"vjpmpi: timeout \(VJPMPI_TIMEOUT=5 s\): rank ({waiting}) of {nprocs} "
+                     r"has waited 5\.\d s in allreduce\(SUM\)", run.output), run.describe()
+    assert "VJPMPI_TIMEOUT=5 s): rank 1 of" not in run.output, run.describe()
+    print(f"plain python + VJPMPI_TIMEOUT=5 at {nprocs} ranks: job ended {took:.1f} s after start")
 
 
-def test_use_after_finalize_is_an_error(tmp_path):
+@NPROCS
+def test_use_after_finalize_is_an_error(tmp_path, nprocs):
     run, _ = run_script(tmp_path, """
         f = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
         x = jnp.ones(3)
@@ -203,11 +228,11 @@ def test_use_after_finalize_is_an_error(tmp_path):
                 say(name, "no error")
             except Exception as e:
                 say(name, "error:", type(e).__name__, str(e).splitlines()[0])
-    """, timeout=60)
+    """, nprocs=nprocs, timeout=60)
     assert run.returncode == 0 and not run.timed_out, run.describe()
     for name in ("compiled", "eager", "new trace"):
         lines = report(run, f"{name} error:")
-        assert len(lines) == 2 and all("finalized" in ln for ln in lines), run.describe()
+        assert len(lines) == nprocs and all("finalized" in ln for ln in lines), run.describe()
 
 
 def test_message_over_2_gib(tmp_path):

@@ -2,6 +2,10 @@
 
 A failing test on any rank aborts the whole job (after printing the report),
 so the other ranks never wait forever in a collective the failed rank skipped.
+
+`--junitxml=DIR/results.rank{rank}.xml`: each rank writes its own JUnit file
+(`{rank}` is replaced by the rank in COMM_WORLD); tests/test_multirank.py compares
+them with tests/expected_counts.json.
 """
 
 import sys
@@ -15,6 +19,13 @@ import vjpmpi  # noqa: F401  (first: sets synchronous CPU dispatch before any ar
 jax.config.update("jax_enable_x64", True)
 
 WORLD = MPI.COMM_WORLD
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's junitxml plugin opens the file
+def pytest_configure(config):
+    path = config.option.xmlpath
+    if path and "{rank}" in path:
+        config.option.xmlpath = path.replace("{rank}", str(WORLD.rank))
 
 
 def pytest_runtest_logreport(report):

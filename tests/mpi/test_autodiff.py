@@ -430,8 +430,8 @@ def test_replicated_pair_data_parallel_mean_loss():
     xb = normal((6, 3), 21)  # this rank's batch
     yb = normal(6, 22)
 
-    def mean_loss(weights, sum_op):
-        local = jnp.sum((xb @ vjpmpi.use_replicated(weights) - yb) ** 2)
+    def mean_loss(weights, sum_op, use_op=vjpmpi.use_replicated):
+        local = jnp.sum((xb @ use_op(weights) - yb) ** 2)
         return sum_op(local) / (6 * size)
 
     g = jax.grad(mean_loss)(w, vjpmpi.sum_replicated)
@@ -443,6 +443,12 @@ def test_replicated_pair_data_parallel_mean_loss():
     # loss once per rank, giving size times the gradient
     g_wrong = jax.grad(mean_loss)(w, lambda v: vjpmpi.allreduce(v, MPI.SUM))
     np.testing.assert_allclose(g_wrong, size * g_ref, rtol=1e-12)
+    # and without use_replicated each rank gets only its own batch's contribution
+    # (which sums over ranks to the full gradient)
+    g_own = jax.grad(mean_loss)(w, vjpmpi.sum_replicated, lambda v: v)
+    g_own_ref = 2 * np.asarray(xb).T @ (np.asarray(xb) @ np.asarray(w) - np.asarray(yb)) / len(ys)
+    np.testing.assert_allclose(g_own, g_own_ref, rtol=1e-12)
+    np.testing.assert_allclose(sum(WORLD.allgather(np.asarray(g_own))), g_ref, rtol=1e-12)
 
 
 def test_use_replicated_sums_cotangents_and_transposes():

@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 import vjpmpi
-from helpers import DTYPES, WORLD, assert_equal, data, identity, np_reduce, reductions
+from helpers import BF16, DTYPES, WORLD, assert_equal, data, identity, np_reduce, reductions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,14 +122,59 @@ def test_nonsum_reductions_vmap(name, red):
     check(name, "vmap", None, (4,), np.float64, red=red)
 
 
-def test_half_precision_rounding():
-    # Values that are not exact in half precision: the reduction rounds like NumPy.
-    rank, size = WORLD.rank, WORLD.size
-    for dtype in (np.float16, np.dtype("bfloat16")):
-        x = (np.linspace(0.1, 2.3, 7) * (rank + 1)).astype(dtype)
+# unit roundoff (half an ulp of 1) and significand bits of each half format
+HALF = {np.dtype(np.float16): (2.0**-11, 11), BF16: (2.0**-8, 8)}
+
+
+def half_inputs(dtype, rank):
+    """This rank's values: 7 that are not exact in the format, mixed signs, and 2 that
+    make ties at 2 ranks (2**p + 1 and 2**p + 3, p significand bits, spacing 2 there)."""
+    _, p = HALF[dtype]
+    signs = np.where((np.arange(7) + rank) % 3 == 0, -1.0, 1.0)
+    rounded = np.linspace(0.1, 2.3, 7) * (rank + 1) * signs
+    ties = [2.0**p, 2.0**p + 2] if rank == 0 else [1.0, 1.0]
+    return np.concatenate([rounded, ties]).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", list(HALF), ids=str)
+def test_half_precision_rounding(dtype):
+    """float16 / bfloat16 SUM, PROD, MAX and MIN on values that are not small integers.
+
+    Each combining step of the kernel's MPI op works in float32 and rounds the result
+    to the half format (round to nearest even); MPI may combine the ranks' values in
+    any order or tree. Reference: the exact result of the (already rounded) half inputs
+    in float64, exact here. Float32 holds the sum of two of these values exactly (per
+    element they are within a factor 2**12 of each other) and the product of any two
+    half values, so each of the n - 1 steps at n ranks adds a relative error of at most
+    u (the format's unit roundoff), whatever the order:
+      SUM      |got - exact| <= g * sum_i |x_i|,   g = (n-1) u / (1 - (n-1) u)
+      PROD     |got - exact| <= ((1 + u)**(n-1) - 1) * |exact|
+      MAX/MIN  got == exact (the result is one of the inputs)
+    At 2 ranks there is one rounding: SUM and PROD are the exact result rounded to
+    nearest even, ties included (2**p + 1 rounds down to 2**p, 2**p + 3 up to 2**p + 4).
+    """
+    u, _ = HALF[dtype]
+    size = WORLD.size
+    x = half_inputs(dtype, WORLD.rank)
+    xs = np.stack([half_inputs(dtype, r) for r in range(size)]).astype(np.float64)
+    bounds = {
+        "SUM": (xs.sum(0), (size - 1) * u / (1 - (size - 1) * u) * np.abs(xs).sum(0)),
+        "PROD": (xs.prod(0), ((1 + u) ** (size - 1) - 1) * np.abs(xs.prod(0))),
+        "MAX": (xs.max(0), np.zeros(len(x))),
+        "MIN": (xs.min(0), np.zeros(len(x))),
+    }
+    for red, (exact, bound) in bounds.items():
+        got = vjpmpi.allreduce(jnp.asarray(x), getattr(MPI, red), comm=WORLD)
+        assert got.dtype == dtype
+        err = np.abs(np.asarray(got, np.float64) - exact)
+        assert (err <= bound).all(), (red, size, np.asarray(got), exact, err, bound)
+        if size <= 2:  # at most one rounding: exactly the rounded result
+            assert (exact.astype(np.float32) == exact).all()  # so float32 -> half rounds once
+            assert_equal(got, exact.astype(np.float32).astype(dtype))
+    if size == 2:  # the ties went to the even neighbour, one down and one up
+        _, p = HALF[dtype]
         got = vjpmpi.allreduce(jnp.asarray(x), MPI.SUM, comm=WORLD)
-        expected = np.sum(np.stack(WORLD.allgather(x)).astype(np.float64), axis=0)
-        np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=size * 1e-2)
+        np.testing.assert_array_equal(np.asarray(got[7:], np.float64), [2.0**p, 2.0**p + 4])
 
 
 def test_inputs_not_mutated():

@@ -24,7 +24,7 @@ rank, size = WORLD.rank, WORLD.size
 
 needs_cuda_module = pytest.mark.skipif(
     _kernels.cuda is None,
-    reason="the CUDA module (_vjpmpi_cuda) was not built: no CUDA toolkit at build time")
+    reason="vjpmpi was built without its CUDA backend")
 
 
 # ------------------------------------------------------------ one runtime --
