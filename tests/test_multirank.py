@@ -39,7 +39,7 @@ import pytest
 
 from _mpirun import TESTS, mpirun, network_env
 
-TIMEOUT = 900  # seconds per rank count; a deadlock fails the run instead of hanging CI
+TIMEOUT = 1200  # seconds per rank count; a deadlock fails the run instead of hanging CI
 RANKS = [int(n) for n in os.environ.get("VJPMPI_TEST_RANKS", "1,2,3,4").split(",")]
 FILES = os.environ.get("VJPMPI_TEST_FILES", "mpi").split()
 NETWORK = os.environ.get("VJPMPI_TEST_NETWORK", "") not in ("", "0")

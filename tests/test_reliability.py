@@ -203,6 +203,16 @@ def test_failing_rank_ends_job_with_mpi4py_launcher(tmp_path, nprocs):
 def test_failing_rank_ends_job_with_timeout(tmp_path, nprocs):
     run, took = run_script(tmp_path, FAIL, nprocs=nprocs, env={"VJPMPI_TIMEOUT": "5"},
                            timeout=120)
+    if run.returncode == 3 and "vjpmpi: timeout" not in run.output:
+        # The watchdog aborted (its exit code 3) but MPICH's launcher dropped its message:
+        # when a rank has already exited, mpiexec sometimes tears the job down before
+        # forwarding what the aborting rank wrote to stderr just before MPI_Abort (a few
+        # runs in a hundred here without the watchdog's 0.2 s pause before MPI_Abort,
+        # none in 60 with it). One rerun, said in the output; the message must then be
+        # there.
+        print(f"watchdog message lost by the launcher (exit code 3), rerun:\n{run.output}")
+        run, took = run_script(tmp_path, FAIL, nprocs=nprocs, env={"VJPMPI_TIMEOUT": "5"},
+                               timeout=120)
     assert not run.timed_out and run.returncode != 0, run.describe()
     assert "ValueError: boom on rank 1" in run.output
     # a rank still waiting for rank 1 names its call (rank 1 itself never got there)

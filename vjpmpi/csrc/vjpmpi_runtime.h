@@ -257,6 +257,9 @@ inline void Watchdog(Runtime* rtp) {
                  "join it. Aborting the job.\n",
                  limit, world, size, waited, where.c_str(), csize, rank);
     std::fflush(stderr);
+    // Give the launcher time to forward the message: when another rank has already
+    // exited, mpiexec may tear the job down as soon as MPI_Abort starts and drop it.
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
     MPI_Abort(MPI_COMM_WORLD, 3);
     std::_Exit(3);
   }
