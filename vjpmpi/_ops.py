@@ -325,11 +325,12 @@ _PEER = {MPI.PROC_NULL: "PROC_NULL"}
 _SOURCE = {MPI.PROC_NULL: "PROC_NULL", MPI.ANY_SOURCE: "ANY_SOURCE"}
 
 
-def _reduction(name: str, x, op, comm):
+def _reduction(name: str, x, op, comm, root=None):
     x = _array(x, name)
     c = as_comm(comm, name)
     red = check_red_dtype(as_red(op, name), x.dtype, name)
-    (y,) = bind(PRIMITIVES[name], [x], c, red=red)
+    extra = {} if root is None else {"root": _rank(root, c, name, "root")}
+    (y,) = bind(PRIMITIVES[name], [x], c, red=red, **extra)
     return y
 
 
@@ -349,11 +350,7 @@ def reduce(x, op, root, *, comm=None):
     Shape: `s` -> `s` on every rank.
     Transpose (SUM): bcast from `root` (plus the identity on non-root ranks).
     """
-    x = _array(x, "reduce")
-    c = as_comm(comm, "reduce")
-    red = check_red_dtype(as_red(op, "reduce"), x.dtype, "reduce")
-    (y,) = bind(PRIMITIVES["reduce"], [x], c, red=red, root=_rank(root, c, "reduce", "root"))
-    return y
+    return _reduction("reduce", x, op, comm, root)
 
 
 def bcast(x, root, *, comm=None):
