@@ -32,6 +32,8 @@ ENV = {
 }
 
 
+NONLINEAR_RANKS = (2, 4)  # the nonlinear derivatives' cost, at these rank counts
+MEMORY_RANKS = 8  # their peak memory, at this one
 GPU_ENV = {"JAX_PLATFORMS": "cuda,cpu", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
@@ -175,6 +177,9 @@ def report(m, g, g_why):
              table(["op", "jit(f) ms", "jit(value_and_grad f) ms", "ratio", "mpi4py fwd op ms",
                     "mpi4py adjoint ms", "ideal"], rows), ""]
 
+    text += nonlinear_report(m.get("nonlinear", []), check)
+    text += memory_report(m.get("memory"), m.get("memory_why"), check)
+
     v, s = m["vmap"], m["grad_sync"]
     marginal = s["step_sync"] - s["step_plain"]
     text += ["## Batching and gradient sync", "",
@@ -224,6 +229,56 @@ def report(m, g, g_why):
              table(["target", "measured", "met"],
                    [[n, val, "yes" if ok else "**no**"] for n, val, ok in checks]), ""]
     return "\n".join(text), checks
+
+
+def nonlinear_report(parts, check):
+    """Nonlinear derivatives: value_and_grad / f against the ideal, per rank count."""
+    rows = []
+    for part in parts:
+        if "why" in part:
+            rows.append([part["ranks"], "not run: " + part["why"], *[None] * 7])
+            check(f"nonlinear derivatives at {part['ranks']} ranks: ran", part["why"], False)
+            continue
+        for r in part["rows"]:
+            ideal = 1 + r["mpi_adj"] / r["mpi_fwd"]
+            ratio = r["vg"] / r["fwd"]
+            rows.append([part["ranks"], r["op"], ms(r["fwd"]), ms(r["vg"]), ratio,
+                         ms(r["mpi_fwd"]), ms(r["mpi_adj"]), ideal, ratio / ideal])
+            check(f"backward {r['op']} at {part['ranks']} ranks: ratio <= 1.2x ideal",
+                  f"{ratio:.2f} (ideal {ideal:.2f}, {ratio / ideal:.2f}x)", ratio <= 1.2 * ideal)
+    if not rows:
+        return []
+    return ["## Nonlinear derivatives: f = 8 chained allreduce(MAX or PROD) on 1 MiB", "",
+            "`ideal` is (forward collective + the derivative's collectives) / forward "
+            "collective, all timed with mpi4py on 1 MiB: MAX's derivative adds a uint8 "
+            "Allreduce(SUM) of the tied-rank counts and the backward Allreduce(SUM); PROD's "
+            "adds the exclusive products from both ends (Exscan on the communicator and on "
+            "a rank-reversed one) and the backward Allreduce(SUM). Neither grows with the "
+            "number of ranks.", "",
+            table(["ranks", "op", "jit(f) ms", "jit(value_and_grad f) ms", "ratio",
+                   "mpi4py fwd ms", "mpi4py derivative ms", "ideal", "ratio / ideal"], rows), ""]
+
+
+def memory_report(mem, why, check):
+    if mem is None:
+        return ["## Peak memory of the nonlinear derivatives", "", f"Not run: {why}", ""]
+    rows = []
+    for r in mem["rows"]:
+        grow = {k: r[f"{k}_peak"] - r[f"{k}_base"] for k in ("fwd", "vg")}
+        rows.append([r["op"], r["MiB"], r["fwd_base"], r["fwd_peak"], r["vg_peak"],
+                     r["vg_peak"] / r["fwd_peak"], grow["fwd"], grow["vg"],
+                     r["fwd_xla"], r["vg_xla"], r["vg_xla"] / r["fwd_xla"]])
+        check(f"peak memory of value_and_grad {r['op']} at {mem['ranks']} ranks <= 1.5x f's",
+              f"{r['vg_peak'] / r['fwd_peak']:.2f}x", r["vg_peak"] <= 1.5 * r["fwd_peak"])
+    return [f"## Peak memory of the nonlinear derivatives ({mem['ranks']} ranks)", "",
+            "f = sum(allreduce(x, op)) on a float32 `x` of each rank; rank 0's resident size "
+            "before a call and its peak during the call (MiB, the peak reset before it), "
+            "the peak's growth over the size before, and XLA's account of the compiled "
+            "program (arguments + outputs + temporaries, MiB). The old derivative "
+            "allgathered values and tangents: 2 x ranks x `x` more.", "",
+            table(["op", "x MiB", "before", "jit(f) peak", "jit(value_and_grad f) peak",
+                   "peak ratio", "f growth", "value_and_grad growth", "f xla",
+                   "value_and_grad xla", "xla ratio"], rows), ""]
 
 
 def net_report(n, why):
@@ -324,6 +379,13 @@ def main():
         if args.gpu:
             gpu, gpu_why = run_part("gpu", args.ranks, args.quick, 600, work, env=GPU_ENV)
         net, net_why = run_part("net", args.ranks, args.quick, 300, work, env=network_env())
+        nonlinear = []
+        for ranks in NONLINEAR_RANKS:
+            part, why = run_part("nonlinear", ranks, args.quick, 300, work)
+            nonlinear.append(part or {"ranks": ranks, "why": why})
+        mem, mem_why = run_part("memory", MEMORY_RANKS, args.quick, 300, work)
+    m["nonlinear"] = nonlinear
+    m["memory"], m["memory_why"] = mem, mem_why
     m["check"] = c
     m["gpu"], m["gpu_why"] = gpu, gpu_why
     m["net"], m["net_why"] = net, net_why

@@ -308,16 +308,7 @@ def main_part(quick):
                 v = op(v) * 0.5
             return jnp.sum(v)
 
-        fwd_op, adj_ops = mpi_pairs[name]
-        fwd, vg = jax.jit(f), jax.jit(jax.value_and_grad(f))
-        jax_block(fwd(x))
-        jax_block(vg(x))
-        cases = {"fwd": lambda fwd=fwd: jax_block(fwd(x)), "vg": lambda vg=vg: jax_block(vg(x)),
-                 "mpi_fwd": repeat(fwd_op, 8)}
-        cases.update({f"adj{i}": repeat(a, 8) for i, a in enumerate(adj_ops)})
-        t = interleaved(cases, 3 if quick else 31)
-        bwd.append({"op": name, "fwd": t["fwd"], "vg": t["vg"], "mpi_fwd": t["mpi_fwd"] / 8,
-                    "mpi_adj": sum(t[f"adj{i}"] for i in range(len(adj_ops))) / 8})
+        bwd.append({"op": name, **backward_cost(f, x, *mpi_pairs[name], quick)})
     out["backward"] = bwd
 
     # vmap batching and data-parallel gradient sync
@@ -344,6 +335,111 @@ def main_part(quick):
     out["grad_sync"] = interleaved(
         {k: (lambda f=f, a=a: jax_block(f(a))) for k, (f, a) in progs.items()}, reps_sync)
     return out
+
+
+def backward_cost(f, x, fwd_op, adj_ops, quick):
+    """jit(f) and jit(value_and_grad f) on x (f: 8 chained collectives), next to the
+    forward collective and the derivative's ones (`adj_ops`) with mpi4py, per op."""
+    import jax
+
+    fwd, vg = jax.jit(f), jax.jit(jax.value_and_grad(f))
+    jax_block(fwd(x))
+    jax_block(vg(x))
+    cases = {"fwd": lambda: jax_block(fwd(x)), "vg": lambda: jax_block(vg(x)),
+             "mpi_fwd": repeat(fwd_op, 8)}
+    cases.update({f"adj{i}": repeat(a, 8) for i, a in enumerate(adj_ops)})
+    t = interleaved(cases, 3 if quick else 31)
+    return {"fwd": t["fwd"], "vg": t["vg"], "mpi_fwd": t["mpi_fwd"] / 8,
+            "mpi_adj": sum(t[f"adj{i}"] for i in range(len(adj_ops))) / 8}
+
+
+# ----------------------------------------------------------------- nonlinear --
+def nonlinear_part(quick):
+    """jit(value_and_grad f) / jit(f) for 8 chained allreduce(MAX) and allreduce(PROD) on
+    1 MiB, next to the ideal: the same collectives timed with mpi4py. The derivative's
+    collectives are: MAX, a uint8 SUM of the tied-rank counts and the backward SUM; PROD,
+    the exclusive products from both ends (Exscan on the communicator and on its
+    reversed twin) and the backward SUM."""
+    import vjpmpi
+    import jax
+    import jax.numpy as jnp
+
+    n = MIB // 4
+    gen = np.random.default_rng(RANK)
+    # MAX: rank-dependent weights break the ties the chain would make; PROD: +-1
+    # values and weights keep every product +-1 (no overflow, no denormals)
+    weights = {"MAX": 1.0 + 0.01 * gen.random(n), "PROD": np.where(gen.random(n) < 0.5, -1.0, 1.0)}
+    x = {"MAX": gen.standard_normal(n), "PROD": np.where(gen.random(n) < 0.5, -1.0, 1.0)}
+    rev = COMM.Split(0, SIZE - 1 - RANK)
+    a, b = np.ones(n, np.float32), np.empty(n, np.float32)
+    a8, b8 = np.ones(n, np.uint8), np.empty(n, np.uint8)
+    allreduce_sum = lambda: COMM.Allreduce(a, b, op=MPI.SUM)  # noqa: E731
+    mpi = {
+        "MAX": (lambda: COMM.Allreduce(a, b, op=MPI.MAX),
+                [lambda: COMM.Allreduce(a8, b8, op=MPI.SUM), allreduce_sum]),
+        "PROD": (lambda: COMM.Allreduce(a, b, op=MPI.PROD),
+                 [lambda: COMM.Exscan(a, b, op=MPI.PROD), lambda: rev.Exscan(a, b, op=MPI.PROD),
+                  allreduce_sum]),
+    }
+    rows = []
+    for red in mpi:
+        op, w = getattr(MPI, red), jnp.asarray(weights[red], jnp.float32)
+        scale = 0.5 if red == "MAX" else 1.0
+
+        def f(v, op=op, w=w, scale=scale):
+            for _ in range(8):
+                v = vjpmpi.allreduce(v * w, op) * scale
+            return jnp.sum(v)
+
+        rows.append({"op": f"allreduce {red}",
+                     **backward_cost(f, jnp.asarray(x[red], jnp.float32), *mpi[red], quick)})
+    rev.Free()
+    return {"ranks": SIZE, "rows": rows}
+
+
+def _peak_rss_mib():
+    with open("/proc/self/status") as fh:
+        return next(int(ln.split()[1]) for ln in fh if ln.startswith("VmHWM")) / 1024
+
+
+def _reset_peak_rss():
+    with open("/proc/self/clear_refs", "w") as fh:  # "5": reset the peak (Linux)
+        fh.write("5")
+
+
+def memory_part(quick):
+    """Peak memory of jit(f) and jit(value_and_grad f), f = sum(allreduce(x, red)), on a
+    large x: the process's peak resident size during one call (the peak is reset
+    before it) next to its resident size before the call, and XLA's own account of the
+    compiled program (arguments + outputs + temporaries)."""
+    import vjpmpi
+    import jax
+    import jax.numpy as jnp
+
+    n = (4 if quick else 64) * MIB // 4
+    x = jnp.asarray(np.random.default_rng(RANK).standard_normal(n), jnp.float32)
+    rows = []
+    for red in ("MAX", "PROD"):
+        op = getattr(MPI, red)
+        f = lambda v, op=op: jnp.sum(vjpmpi.allreduce(v, op))  # noqa: E731
+        row = {"op": f"allreduce {red}", "MiB": n * 4 / MIB}
+        for name, fn in (("fwd", jax.jit(f)), ("vg", jax.jit(jax.value_and_grad(f)))):
+            m = fn.lower(x).compile().memory_analysis()
+            row[f"{name}_xla"] = (m.argument_size_in_bytes + m.output_size_in_bytes
+                                  + m.temp_size_in_bytes - m.alias_size_in_bytes) / MIB
+            jax_block(fn(x))  # compiled, warm
+            COMM.Barrier()
+            row[f"{name}_base"] = rss_now_mib()
+            _reset_peak_rss()
+            jax_block(fn(x))
+            row[f"{name}_peak"] = max(_peak_rss_mib(), row[f"{name}_base"])
+        rows.append(row)
+    return {"ranks": SIZE, "rows": rows}
+
+
+def rss_now_mib():
+    with open("/proc/self/status") as fh:
+        return next(int(ln.split()[1]) for ln in fh if ln.startswith("VmRSS")) / 1024
 
 
 # --------------------------------------------------------------------- check --
@@ -484,13 +580,13 @@ def gloo_part(quick):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("main", "gloo", "check", "gpu", "net"),
-                        default="main")
+    parser.add_argument("--part", choices=("main", "gloo", "check", "gpu", "net", "nonlinear",
+                                           "memory"), default="main")
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     part = {"main": main_part, "gloo": gloo_part, "check": check_part, "gpu": gpu_part,
-            "net": net_part}[args.part]
+            "net": net_part, "nonlinear": nonlinear_part, "memory": memory_part}[args.part]
     result = part(args.quick)
     if RANK == 0:
         with open(args.json, "w") as fh:

@@ -21,7 +21,7 @@ def numbers(tree, path=""):
 
 def test_benchmark_suite_smoke(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-5000:]
     res = json.loads((tmp_path / "results.json").read_text())
     main, gloo = res["main"], res["gloo"]
@@ -41,7 +41,16 @@ def test_benchmark_suite_smoke(tmp_path):
     assert [r["elements"] for r in net["latency"]] == [1, 16, 256]
     assert {r["op"] for r in net["bandwidth"]} == {"allreduce", "bcast"}
     assert net["env"] and all(r["vjpmpi"] > 0 and r["floor"] > 0 for r in net["bandwidth"])
+    # the nonlinear derivatives at 2 and 4 ranks, their memory at 8
+    assert [p["ranks"] for p in main["nonlinear"]] == [2, 4], main["nonlinear"]
+    for part in main["nonlinear"]:
+        assert [r["op"] for r in part["rows"]] == ["allreduce MAX", "allreduce PROD"]
+        assert all(r["fwd"] > 0 and r["vg"] > 0 and r["mpi_adj"] > 0 for r in part["rows"])
+    mem = main["memory"]
+    assert mem is not None and mem["ranks"] == 8, main["memory_why"]
+    assert all(r["fwd_xla"] > 0 and r["vg_xla"] > 0 for r in mem["rows"])
     text = (tmp_path / "results.md").read_text()
+    assert "## Nonlinear derivatives" in text and "## Peak memory" in text
     assert "## Network path: shared memory off" in text
     assert "## Targets:" in text and "| target | measured | met |" in text
     assert (tmp_path / "results.png").stat().st_size > 10_000

@@ -7,6 +7,8 @@ The platform runs of `.ci/run` select with the environment:
                       "mpi/test_collectives.py" (default: all of it)
   VJPMPI_TEST_NETWORK "1": every message through MPI's network module over loopback
                       (shared memory off; `_mpirun.NETWORK_ENV`)
+  VJPMPI_TEST_WIDE    "1"/"0": also run the files of WIDE at their larger rank
+                      counts (default: on when VJPMPI_TEST_RANKS is not set)
 
 Every rank writes a JUnit file; per test file and rank count the ranks must agree on
 every test's outcome, and the numbers of passed and skipped tests, the tests run per
@@ -45,12 +47,18 @@ FILES = os.environ.get("VJPMPI_TEST_FILES", "mpi").split()
 NETWORK = os.environ.get("VJPMPI_TEST_NETWORK", "") not in ("", "0")
 UPDATE = os.environ.get("VJPMPI_UPDATE_COUNTS", "") not in ("", "0")
 TABLE = TESTS / "expected_counts.json"
+# Files that also run at more ranks, oversubscribed: rank-count-dependent algorithms
+# (the nonlinear derivatives' scans over ranks) at a count of ranks past 4.
+WIDE = {"mpi/test_nonlinear.py": 8}
+RUN_WIDE = os.environ.get(
+    "VJPMPI_TEST_WIDE", "0" if "VJPMPI_TEST_RANKS" in os.environ else "1") not in ("", "0")
 
 
-def run_files() -> list[str]:
-    """The test files of the run, as keys of the table ("mpi/test_api.py")."""
+def run_files(entries) -> list[str]:
+    """The test files of `entries` (files or folders), as keys of the table
+    ("mpi/test_api.py")."""
     files = []
-    for entry in FILES:
+    for entry in entries:
         assert "::" not in entry and not entry.startswith("-"), (
             f"VJPMPI_TEST_FILES takes test files or folders (counts are per file): {entry!r}")
         path = (TESTS / entry).resolve()
@@ -159,10 +167,20 @@ def load_table() -> dict:
 
 @pytest.mark.parametrize("nprocs", RANKS)
 def test_suite(nprocs, tmp_path):
-    files = run_files()
+    run_and_compare(nprocs, FILES, tmp_path)
+
+
+@pytest.mark.parametrize("file,nprocs", list(WIDE.items()) if RUN_WIDE else [])
+def test_wide(file, nprocs, tmp_path):
+    run_and_compare(nprocs, [file], tmp_path)
+
+
+def run_and_compare(nprocs, entries, tmp_path):
+    """Run `entries` of tests/ at `nprocs` ranks; compare what ran with the table."""
+    files = run_files(entries)
     run = mpirun(
         nprocs,
-        ["-m", "pytest", *FILES, "-q", "-p", "no:cacheprovider", "-x",
+        ["-m", "pytest", *entries, "-q", "-p", "no:cacheprovider", "-x",
          f"--junitxml={tmp_path}/results.rank{{rank}}.xml"],
         timeout=TIMEOUT * (2 if NETWORK else 1),
         env=network_env() if NETWORK else None,

@@ -33,7 +33,7 @@ _LIBRARY_DIRS = tuple(str(pathlib.Path(m.__file__).resolve().parent)
 # The attributes every FFI handler takes (csrc/vjpmpi_handlers.h), besides `comm`
 # and `site`. A primitive carries only the parameters its spec declares; each maps
 # onto one of these, the others are lowered as 0.
-FFI_ATTRS = ("red", "root", "peer", "peer2", "tag", "tag2", "status")
+FFI_ATTRS = ("red", "root", "peer", "peer2", "tag", "tag2", "status", "reverse")
 
 # How a call-site description (VJPMPI_CHECK, VJPMPI_TIMEOUT) shows a parameter.
 _DESCRIBE = {"red": lambda v: RED_NAMES[v], "root": "root={}".format,
@@ -49,6 +49,8 @@ class Collective:
     - `name`: primitive name suffix and FFI target (`vjpmpi_<name>`).
     - `params`: the static parameters besides `comm`, each `name: FFI attribute`
       (one of `FFI_ATTRS`); the primitive carries exactly these.
+    - `fixed`: FFI attributes with a value of this spec's own (`{"reverse": 1}`: a
+      scan over the ranks in reverse order).
     - `out_avals`: `(params, *in_avals) -> list of output avals`.
     - `alias`: `(operand, result)` that may share a buffer (in place), or None.
     - `rank_axis`: `params -> (input_has_rank_axis, output_has_rank_axis)`: whether
@@ -59,12 +61,14 @@ class Collective:
       these parameters (then its JVP is the op applied to the tangents).
     - `transpose`: `(cts, args, params) -> cotangents of args`, the adjoint of the global
       linear map; `args` holds `UndefinedPrimal`s for the linear operands.
-    - `nonlinear_jvp`: `(primals, tangents, params) -> tangents out` when not linear.
+    - `nonlinear_jvp`: `(primals, tangents, outs, params) -> tangents out` when not
+      linear (`outs`: the primal results).
     """
 
     name: str
     out_avals: Callable[..., list[core.ShapedArray]]
     params: dict[str, str] = dataclasses.field(default_factory=dict)
+    fixed: dict[str, int] = dataclasses.field(default_factory=dict)
     alias: tuple[int, int] | None = None
     rank_axis: Callable[[dict], tuple[bool, bool]] = lambda params: (False, False)
     target: str | None = dataclasses.field(default="", compare=False)
@@ -219,6 +223,7 @@ def _user_frame() -> str:
 def _site(ctx, spec: Collective, params) -> int:
     """Register a description of this call site with the kernels (check/timeout on)."""
     detail = [_DESCRIBE[k](params[k]) for k in spec.params if k in _DESCRIBE]
+    detail += ["from the last rank down"] if spec.fixed.get("reverse") else []
     avals = ", ".join(f"{a.dtype}{list(a.shape)}" for a in ctx.avals_in)
     stage = " [backward]" if "transpose" in str(ctx.name_stack) else ""
     return _kernels.register_site(
@@ -275,6 +280,7 @@ def _lower(ctx, *args, spec: Collective, **params):
     )
     attrs = dict.fromkeys(FFI_ATTRS, np.int64(0))
     attrs.update({attr: _int64(params[k]) for k, attr in spec.params.items()})
+    attrs.update({attr: np.int64(v) for attr, v in spec.fixed.items()})
     attrs["comm"] = _int64(params["comm"].handle)
     attrs["site"] = np.int64(_site(ctx, spec, params) if _kernels.CHECK or _kernels.TIMEOUT else 0)
     outs = rule(sub, *args, token, **attrs)
@@ -323,7 +329,7 @@ def _jvp(prim, lin, spec: Collective, primals, tangents, **params):
         ts = [ad.instantiate_zeros(t) for t in tangents]
         t_outs = lin.bind(*ts, **params)
     else:
-        t_outs = spec.nonlinear_jvp(primals, tangents, params)
+        t_outs = spec.nonlinear_jvp(primals, tangents, outs, params)
     return outs, t_outs
 
 
@@ -387,6 +393,13 @@ def make_primitive(spec: Collective) -> tuple[core.Primitive, core.Primitive]:
     return prim, lin
 
 
+def _needs_tangent_rule(prim, params) -> bool:
+    return prim in _PRIMITIVES or any(contains_collective(j) for j in jc.jaxprs_in_params(params))
+
+
+# Every rank runs every tangent collective (and so its transpose), also where its
+# inputs do not depend on what is differentiated.
+jc.run_tangent_rules(_needs_tangent_rule)
 jc.track_host_callbacks()
 
 _IN_CALLBACK = (

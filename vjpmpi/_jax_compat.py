@@ -20,6 +20,10 @@ Private modules used (names re-exported for the rest of the package):
   `LoweringRuleContext` (`tokens_in`, `set_tokens_out`, `replace`, `avals_in/out`,
   `name_stack`, `module_context.axis_context`), `TokenSet`, and `jaxpr_subcomp`,
   which `ordered_lowering` wraps.
+- `jax._src.interpreters.ad`, differentiation traces: `JVPTrace` / `LinearizeTrace`
+  (`process_primitive`, `to_primal_tangent_pair`, `parent_trace`, `tangent_trace`)
+  and their tracers `JVPTracer` / `LinearizeTracer(trace, primal, tangent)` (see
+  `run_tangent_rules`).
 - `jax._src.interpreters.partial_eval`: `dce_rules`, `custom_partial_eval_rules`,
   `JaxprStackFrame.add_eqn`, and the `JaxprTrace` recipe classes (see
   `keep_in_partial_eval`).
@@ -39,7 +43,8 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from jax._src import core, dispatch, effects, source_info_util, xla_bridge
+import numpy as np
+from jax._src import core, dispatch, dtypes, effects, source_info_util, xla_bridge
 from jax._src.export._export import call_exported_p
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
@@ -51,7 +56,7 @@ __all__ = [
     "guard_dce_rules", "keep_alive_in_dce", "keep_in_partial_eval", "ordered_lowering",
     "chain_token", "set_chain_token", "program_devices", "jaxprs_in_params", "mark_jaxpr",
     "track_host_callbacks", "inside_host_callback", "exported_text", "call_exported_p",
-    "carry_while_predicate",
+    "carry_while_predicate", "run_tangent_rules",
 ]
 
 Effect = effects.Effect
@@ -133,6 +138,86 @@ def keep_traced_equations(communicates: Callable) -> None:
 
     add_eqn.vjpmpi_guard = True
     frame.add_eqn = add_eqn
+
+
+def run_tangent_rules(wanted: Callable) -> None:
+    """Forward-mode and linearize traces skip a primitive's differentiation rule when
+    every input tangent is a symbolic zero. For a collective, or a call, loop, branch or
+    remat holding one, that would drop the tangent collective (and so its transpose) on
+    the ranks whose inputs do not depend on what is differentiated, while the other
+    ranks run it. For the primitives `wanted(primitive, params)` names, the first
+    floating input then gets a real zero tangent, so the rule runs on every rank.
+
+    That zero must be *linear* (made from the trace's tangents): JAX's backward pass
+    evaluates an equation with only constant inputs in its forward sweep instead of
+    transposing it, and partial evaluation moves it to the forward program, which
+    would run the collective out of turn. So it is `linear_zeros` of a tangent the
+    trace has seen (its first non-zero one, recorded as its tracers are made); a
+    trace that has seen none gets plain zeros (pure forward mode needs no more).
+
+    Idempotent. Relies on `ad.JVPTrace` / `ad.LinearizeTrace` (`process_primitive`,
+    `to_primal_tangent_pair`, `parent_trace`, `tangent_trace`, an instance `__dict__`)
+    and `ad.JVPTracer` / `ad.LinearizeTracer.__init__(self, trace, primal, tangent)`."""
+    for trace_type, tracer_type, tangents_of in [
+        (ad.JVPTrace, ad.JVPTracer, lambda trace: trace.parent_trace),
+        (ad.LinearizeTrace, ad.LinearizeTracer, lambda trace: trace.tangent_trace),
+    ]:
+        original = trace_type.process_primitive
+        if getattr(original, "vjpmpi_guard", False):
+            continue
+
+        def process_primitive(self, primitive, tracers, params, /, _original=original,
+                              _tracer=tracer_type, _tangents_of=tangents_of):
+            if wanted(primitive, params):
+                tracers = _with_a_real_tangent(self, tracers, _tracer, _tangents_of(self))
+            return _original(self, primitive, tracers, params)
+
+        process_primitive.vjpmpi_guard = True
+        trace_type.process_primitive = process_primitive
+        tracer_type.__init__ = _recording_anchor(tracer_type.__init__)
+
+
+def _recording_anchor(init):
+    def __init__(self, trace, primal, tangent):
+        init(self, trace, primal, tangent)
+        if type(tangent) is not ad.Zero and "_vjpmpi_anchor" not in trace.__dict__:
+            trace.__dict__["_vjpmpi_anchor"] = tangent
+
+    return __init__
+
+
+def _with_a_real_tangent(trace, tracers, tracer_type, tangent_trace):
+    pairs = [trace.to_primal_tangent_pair(t) for t in tracers]
+    if any(type(t) is not ad.Zero for _, t in pairs):
+        return tracers
+    for i, (primal, _) in enumerate(pairs):
+        aval = core.typeof(primal)
+        if hasattr(aval, "dtype") and dtypes.issubdtype(aval.dtype, np.inexact):
+            anchor = trace.__dict__.get("_vjpmpi_anchor")
+            with core.set_current_trace(tangent_trace):
+                zero = (ad.instantiate_zeros(ad.Zero(aval.to_tangent_aval())) if anchor is None
+                        else linear_zeros_p.bind(anchor, aval=aval.to_tangent_aval()))
+            return [*tracers[:i], tracer_type(trace, primal, zero), *tracers[i + 1:]]
+    return tracers
+
+
+# zeros of `aval`, linear in (and independent of) its operand: the transpose gives the
+# operand a zero cotangent.
+linear_zeros_p = core.Primitive("vjpmpi_linear_zeros")
+linear_zeros_p.def_impl(lambda anchor, *, aval: _zeros(aval))
+linear_zeros_p.def_abstract_eval(lambda anchor, *, aval: core.ShapedArray(aval.shape, aval.dtype))
+mlir.register_lowering(linear_zeros_p, mlir.lower_fun(lambda anchor, *, aval: _zeros(aval),
+                                                      multiple_results=False))
+ad.primitive_jvps[linear_zeros_p] = lambda primals, tangents, *, aval: (_zeros(aval), ad.Zero(aval))
+ad.primitive_transposes[linear_zeros_p] = lambda ct, anchor, *, aval: [ad.Zero(anchor.aval)]
+batching.primitive_batchers[linear_zeros_p] = (
+    lambda args, dims, *, aval: (_zeros(aval), None))  # not batched
+
+
+def _zeros(aval):
+    import jax.numpy as jnp
+
+    return jnp.zeros(aval.shape, aval.dtype)
 
 
 def keep_in_partial_eval(prim: core.Primitive) -> None:

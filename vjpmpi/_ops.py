@@ -93,14 +93,14 @@ def _t_scatter(cts, args, p):  # y_r = x_root[r]; other ranks' x is a template
     return [g if _is_root(p) else jnp.zeros(args[0].aval.shape, args[0].aval.dtype)]
 
 
-def _t_scan(cts, args, p):  # suffix sum: sum_{r >= s} = total - sum_{r < s}
+def _t_scan(cts, args, p):  # suffix sum: sum_{r >= s} = own + sum_{r > s}
     (ct,) = cts
-    return [_call("allreduce", ct, p, red=SUM) - _call("exscan", ct, p, red=SUM)]
+    return [ct + _call("exscan_reversed", ct, p, red=SUM)]
 
 
-def _t_exscan(cts, args, p):  # exclusive suffix sum: sum_{r > s} = total - sum_{r <= s}
-    (ct,) = cts
-    return [_call("allreduce", ct, p, red=SUM) - _call("scan", ct, p, red=SUM)]
+def _t_exscan(reverse):  # exclusive sums in one rank order: those in the other
+    return lambda cts, args, p: [_call("exscan" if reverse else "exscan_reversed", cts[0], p,
+                                       red=SUM)]
 
 
 def _transposed_source(p, op):
@@ -143,47 +143,124 @@ def _partner(name, **changes):
 
 
 # --------------------------------------------- nonlinear reductions (JVP) --
-def _reduction_jvp(ranks, block=False):
-    """JVP of MAX/MIN/PROD reductions from every rank's (value, tangent).
+# MAX/MIN: the tangent of the ranks that attain the extremum, averaged (ties split
+# equally). PROD: the sum over ranks of the tangent times the product of the *other*
+# ranks' values, from exclusive products in both rank orders (zeros need no division).
+# Each rule takes a fixed number of collectives of the operand's size, whatever the
+# number of ranks; its tangent part is SUM collectives and the linear recurrence scan,
+# with x and the results as constants, so transposes follow from those.
+def _not_differentiable(red):
+    return TypeError(
+        f"reduction MPI.{RED_NAMES[red]} is not differentiable (it is logical or bitwise); "
+        "only SUM, PROD, MAX and MIN have derivatives")
 
-    `ranks(params)`: the ranks whose values this rank's result reduces (a slice; None:
-    the result is this rank's own input); `block`: each rank's result is block `rank`.
-    MAX/MIN: the tangent of the tied extremal ranks, averaged (ties split equally).
-    PROD: sum over ranks of tangent times the product of the *other* ranks' values
-    (exclusive products from both sides, so zeros need no division).
-    """
 
-    def jvp(primals, tangents, p):
-        (x,), (t,) = primals, tangents
-        rank = p["comm"].rank
-        xs = _call("allgather", x, p)  # forward: every rank's values
-        ts = _call("allgather", ad.instantiate_zeros(t), p, tangent=True)  # -> reduce_scatter
-        if block:
-            xs, ts = xs[:, rank], ts[:, rank]
-        sel = ranks(p)
-        if sel is None:
-            return [ts[rank]]
-        if len(range(*sel.indices(len(xs)))) == 0:  # the identity of the op: constant
-            return [jnp.zeros_like(ts[0])]
-        return [_local_reduction_jvp(p["red"], xs[sel], ts[sel])]
+def _count_dtype(p):
+    """The smallest unsigned integer that counts up to the communicator's size."""
+    size = p["comm"].size
+    return jnp.uint8 if size < 2**8 else jnp.uint16 if size < 2**16 else jnp.uint32
 
+
+def _recurrence(a, b, p, *, reverse=False, tangent=False):
+    """e_s = sum_{q before s} b_q prod_{q < r < s} a_r (rank order, or reversed)."""
+    return _call("recurrence_reversed" if reverse else "recurrence", [a, b], p, tangent=tangent)
+
+
+def _others_product(x, p):
+    """prod_{r != rank} x_r, element-wise: exclusive products from both ends."""
+    return _call("exscan", x, p, red=PROD) * _call("exscan_reversed", x, p, red=PROD)
+
+
+def _extremal(x, y, p, total, tangent):
+    """MAX/MIN: sum of `t` over the ranks whose `x` equals the result `y`, divided by
+    their number; `total(v, red, tangent)` sums over the ranks that `y` reduces."""
+    hit = x == y
+    n = total(hit.astype(_count_dtype(p)), SUM, False)
+    return total(jnp.where(hit, tangent, 0), SUM, True) / n
+
+
+def _jvp_allreduce(primals, tangents, outs, p):
+    (x,), (t,), (y,) = primals, tangents, outs
+    total = lambda v, red, lin: _call("allreduce", v, p, red=red, tangent=lin)  # noqa: E731
+    if p["red"] == PROD:
+        return [total(t * _others_product(x, p), SUM, True)]
+    return [_extremal(x, y, p, total, t)]
+
+
+def _jvp_reduce(primals, tangents, outs, p):  # the result is x itself off the root
+    (x,), (t,), (y,) = primals, tangents, outs
+    total = lambda v, red, lin: _call("reduce", v, p, red=red, tangent=lin)  # noqa: E731
+    if p["red"] == PROD:
+        out = total(t * _others_product(x, p), SUM, True)
+    else:
+        out = _extremal(x, _call("bcast", y, p), p, total, t)  # the root's result everywhere
+    return [out if _is_root(p) else t]
+
+
+def _jvp_reduce_scatter(primals, tangents, outs, p):  # x: (size, *block) -> block
+    (x,), (t,), (y,) = primals, tangents, outs
+    total = lambda v, red, lin: _call("reduce_scatter", v, p, red=red, tangent=lin)  # noqa: E731
+    if p["red"] == PROD:
+        return [total(t * _others_product(x, p), SUM, True)]
+    return [_extremal(x, _call("allgather", y, p), p, total, t)]  # every block's result
+
+
+def _carried(keep, hit, t, p, reverse):
+    """MAX/MIN, over the ranks q before this one (in the scan's order): the sum of t_q
+    and the number of ranks, over the q with hit_q whose extremum every rank between
+    kept (keep_r): a linear recurrence each (the count in float32, exact to 2**24)."""
+    n = _recurrence(keep.astype(jnp.float32), hit.astype(jnp.float32), p, reverse=reverse)
+    s = _recurrence(keep.astype(t.dtype), jnp.where(hit, t, 0), p, reverse=reverse, tangent=True)
+    return s, n
+
+
+def _jvp_exscan(reverse):
+    def jvp(primals, tangents, outs, p):
+        (x,), (t,), (y,) = primals, tangents, outs
+        if p["red"] == PROD:  # d y_s = sum_{q < s} t_q y_q prod_{q < r < s} x_r
+            return [_recurrence(x, t * y, p, reverse=reverse, tangent=True)]
+        through = (jnp.maximum if p["red"] == MAX else jnp.minimum)(y, x)
+        s, n = _carried(y == through, x == through, t, p, reverse)
+        first = p["comm"].rank == (p["comm"].size - 1 if reverse else 0)
+        return [s if first else s / n.astype(t.dtype)]  # s is 0 on the first rank
     return jvp
 
 
-def _local_reduction_jvp(red, xs, ts):
-    if red in (MAX, MIN):
-        y = xs.max(0) if red == MAX else xs.min(0)
-        hit = xs == y
-        return jnp.where(hit, ts, 0).sum(0) / hit.sum(0).astype(ts.dtype)
-    if red == PROD:
-        ones = jnp.ones_like(xs[:1])
-        before = jnp.cumprod(jnp.concatenate([ones, xs[:-1]]), axis=0)
-        after = jnp.cumprod(jnp.concatenate([ones, xs[:0:-1]]), axis=0)[::-1]
-        return (before * after * ts).sum(0)
-    raise TypeError(
-        f"reduction MPI.{RED_NAMES[red]} is not differentiable (it is logical or bitwise); "
-        "only SUM, PROD, MAX and MIN have derivatives"
-    )
+def _jvp_scan(primals, tangents, outs, p):  # y = (exscan result) "through" x
+    (x,), (t,), (y,) = primals, tangents, outs
+    before = _call("exscan", x, p)
+    if p["red"] == PROD:
+        return [t * before + x * _recurrence(x, t * before, p, tangent=True)]
+    keep, hit = before == y, x == y
+    s, n = _carried(keep, hit, t, p, False)
+    total = jnp.where(hit, t, 0) + jnp.where(keep, s, 0)
+    return [total / (hit + jnp.where(keep, n, 0)).astype(t.dtype)]
+
+
+def _checked(jvp):
+    """A reduction's JVP rule for PROD, MAX and MIN; zero tangents made real (every
+    rank runs the tangent collectives)."""
+    def rule(primals, tangents, outs, p):
+        if p["red"] not in (PROD, MAX, MIN):
+            raise _not_differentiable(p["red"])
+        return jvp(primals, [ad.instantiate_zeros(t) for t in tangents], outs, p)
+    return rule
+
+
+def _jvp_recurrence(reverse):
+    def jvp(primals, tangents, outs, p):  # de = E(a, da * e + db)
+        (a, b), (da, db), (e,) = primals, tangents, outs
+        u = ad.instantiate_zeros(db)
+        if type(da) is not ad.Zero:
+            u = u + da * e
+        return [_recurrence(a, u, p, reverse=reverse, tangent=True)]
+    return jvp
+
+
+def _t_recurrence(reverse):  # linear in b: the same recurrence in the other order
+    def transpose(cts, args, p):
+        return _only_linear(args, [None, _recurrence(args[0], cts[0], p, reverse=not reverse)])
+    return transpose
 
 
 def _sum_linear(p):
@@ -192,24 +269,19 @@ def _sum_linear(p):
 
 _RED = {"red": "red"}
 _ROOT = {"root": "root"}
+_REVERSED = {"reverse": 1}
 
 
-def _all_ranks(p):
-    return slice(None)
-
-
-def _reduction_spec(name, out_avals, params=_RED, ranks=_all_ranks, block=False, **kw):
+def _reduction_spec(name, out_avals, jvp, params=_RED, **kw):
     return Collective(name, out_avals, params=params, alias=kw.pop("alias", (0, 0)),
-                      linear=_sum_linear, nonlinear_jvp=_reduction_jvp(ranks, block), **kw)
+                      linear=_sum_linear, nonlinear_jvp=_checked(jvp), **kw)
 
 
 SPECS = {
     spec.name: spec
     for spec in [
-        _reduction_spec("allreduce", _like(0), transpose=_partner("allreduce")),
-        _reduction_spec("reduce", _like(0), {**_RED, **_ROOT},
-                        ranks=lambda p: slice(None) if _is_root(p) else None,
-                        transpose=_t_reduce),
+        _reduction_spec("allreduce", _like(0), _jvp_allreduce, transpose=_partner("allreduce")),
+        _reduction_spec("reduce", _like(0), _jvp_reduce, {**_RED, **_ROOT}, transpose=_t_reduce),
         Collective("bcast", _like(0), _ROOT, alias=(0, 0), transpose=_t_bcast),
         Collective(
             "allgather",
@@ -223,15 +295,11 @@ SPECS = {
         Collective("alltoall", _like(0), alias=(0, 0), rank_axis=lambda p: (True, True),
                    transpose=_partner("alltoall")),
         _reduction_spec(
-            "reduce_scatter",
-            lambda p, x: [_with_shape(x, x.shape[1:])],
+            "reduce_scatter", lambda p, x: [_with_shape(x, x.shape[1:])], _jvp_reduce_scatter,
             alias=None, rank_axis=lambda p: (True, False), transpose=_partner("allgather"),
-            block=True,
         ),
-        _reduction_spec("scan", _like(0), ranks=lambda p: slice(0, p["comm"].rank + 1),
-                        transpose=_t_scan),
-        _reduction_spec("exscan", _like(0), ranks=lambda p: slice(0, p["comm"].rank),
-                        transpose=_t_exscan),
+        _reduction_spec("scan", _like(0), _jvp_scan, transpose=_t_scan),
+        _reduction_spec("exscan", _like(0), _jvp_exscan(False), transpose=_t_exscan(False)),
         Collective("send", lambda p, x: [], {"dest": "peer", "tag": "tag"}, transpose=_t_send),
         Collective("recv", _like(0), {"source": "peer2", "tag": "tag2", "status": "status"},
                    alias=(0, 0), transpose=_t_recv),
@@ -245,6 +313,14 @@ SPECS = {
                    transpose=_partner("use_replicated")),
         Collective("use_replicated", _like(0), target=None,
                    transpose=_partner("sum_replicated", red=SUM)),
+        # Private, for the derivatives: scans from the last rank down, and the linear
+        # recurrence e_s = sum_{q before s} b_q prod_{q < r < s} a_r (linear in b).
+        _reduction_spec("exscan_reversed", _like(0), _jvp_exscan(True), target="exscan",
+                        fixed=_REVERSED, transpose=_t_exscan(True)),
+        *[Collective(name, _like(1), fixed=fixed, alias=(1, 0), target="recurrence",
+                     linear=lambda p: False, nonlinear_jvp=_jvp_recurrence(bool(fixed)),
+                     transpose=_t_recurrence(bool(fixed)))
+          for name, fixed in [("recurrence", {}), ("recurrence_reversed", _REVERSED)]],
     ]
 }
 PRIMITIVES, LINEARIZED = {}, {}

@@ -101,3 +101,18 @@ def kernel_calls() -> tuple[int, int]:
     from vjpmpi import _kernels
 
     return _kernels.call_counts()
+
+
+# ------------------------------------------------ data and inner products --
+def rng(salt=0):
+    """A generator of this rank's own (different on every rank, reproducible)."""
+    return np.random.default_rng(1000 + 97 * WORLD.rank + 7919 * salt)
+
+
+def normal(shape, salt=0):
+    return jnp.asarray(rng(salt).standard_normal(shape))
+
+
+def gdot(a, b):
+    """Global inner product: local vdots summed over ranks."""
+    return WORLD.allreduce(float(np.real(np.vdot(np.asarray(a), np.asarray(b)))))

@@ -235,7 +235,9 @@ def test_every_op_is_one_spec_and_one_primitive():
     assert set(_ops.SPECS) == set(_ops.PRIMITIVES) == set(_ops.LINEARIZED) == {
         "allreduce", "reduce", "bcast", "allgather", "gather", "scatter", "alltoall",
         "reduce_scatter", "scan", "exscan", "send", "recv", "sendrecv", "barrier",
-        "sum_replicated", "use_replicated"}
+        "sum_replicated", "use_replicated",
+        # private, for the derivatives of MAX/MIN/PROD
+        "exscan_reversed", "recurrence", "recurrence_reversed"}
     for name, prim in _ops.PRIMITIVES.items():
         assert prim.name == f"vjpmpi_{name}"
         assert _ops.LINEARIZED[name].name == f"vjpmpi_{name}_lin"

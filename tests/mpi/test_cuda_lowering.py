@@ -38,6 +38,9 @@ def _send(v):
 OPS = {
     "allreduce": (lambda v: vjpmpi.allreduce(v, MPI.SUM), (4, 3)),
     "allreduce_max": (lambda v: vjpmpi.allreduce(v, MPI.MAX), (4, 3)),
+    # their derivatives: exscan from the last rank down, the linear recurrence
+    "allreduce_prod": (lambda v: vjpmpi.allreduce(v, MPI.PROD), (4, 3)),
+    "scan_max": (lambda v: vjpmpi.scan(v, MPI.MAX), (4, 3)),
     "reduce": (lambda v: vjpmpi.reduce(v, MPI.SUM, 0), (4, 3)),
     "bcast": (lambda v: vjpmpi.bcast(v, size - 1), (4, 3)),
     "allgather": (vjpmpi.allgather, (4, 3)),

@@ -98,9 +98,10 @@ struct CudaMem {
 
   void Prepare(Call& c) {
     if (!cuda_mode_error.empty()) error = cuda_mode_error;
-    // vjpmpi's float16/bfloat16 reductions are host functions: stage those.
+    // vjpmpi's own reductions (float16/bfloat16, the recurrence's pairs) are host
+    // functions: stage those.
     bool half_reduction = (c.kind == Kind::kF16 || c.kind == Kind::kBF16);
-    if (aware && half_reduction) aware = false;
+    if (aware && (half_reduction || c.host_op)) aware = false;
     if (aware) {
       c.device = true;
       c.copy = &DeviceCopy;

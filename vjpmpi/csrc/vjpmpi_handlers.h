@@ -50,7 +50,7 @@ using Impl = std::string (*)(const Call&, const void*, void*);
 enum class Count { kIn, kOut, kInPerRank };
 
 struct Attrs {
-  int64_t comm, red, root, peer, peer2, tag, tag2, status, site;
+  int64_t comm, red, root, peer, peer2, tag, tag2, status, reverse, site;
 };
 
 Call MakeCall(const char* name, const Attrs& a) {
@@ -64,6 +64,7 @@ Call MakeCall(const char* name, const Attrs& a) {
   c.tag = static_cast<int>(a.tag);
   c.tag2 = static_cast<int>(a.tag2);
   c.status = reinterpret_cast<MPI_Status*>(static_cast<uintptr_t>(a.status));
+  c.reverse = a.reverse != 0;
   return c;
 }
 
@@ -157,6 +158,28 @@ ffi::Error SendrecvH(Mem mem, ffi::AnyBuffer x, ffi::AnyBuffer tmpl,
   });
 }
 
+// (a, b, token) -> (e, token): the linear recurrence scan; e may alias b.
+template <typename Mem>
+ffi::Error RecurrenceH(Mem mem, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> y,
+                       const Attrs& attrs) {
+  Call c = MakeCall("recurrence", attrs);
+  c.kind = KindOf(b.element_type());
+  if (AffinePair(c.kind).op == MPI_OP_NULL || KindOf(a.element_type()) != c.kind ||
+      a.element_count() != b.element_count()) {
+    return Unsupported("recurrence");
+  }
+  c.count = c.count2 = b.element_count();
+  c.host_op = true;
+  mem.Prepare(c);
+  return Run(mem, c, attrs.site, true, [&] {
+    const void* pa = mem.In(a.untyped_data(), a.size_bytes());
+    const void* pb = mem.In(b.untyped_data(), b.size_bytes());
+    void* out = mem.Out(y->untyped_data(), y->size_bytes());
+    std::string e = mem.Begin();
+    return e.empty() ? Recurrence(c, pa, pb, out) : e;
+  });
+}
+
 // token -> token
 template <typename Mem>
 ffi::Error BarrierH(Mem mem, const Attrs& a) {
@@ -171,8 +194,8 @@ ffi::Error BarrierH(Mem mem, const Attrs& a) {
 
 #define VJPMPI_ATTR_PARAMS                                                                   \
   int64_t comm, int64_t red, int64_t root, int64_t peer, int64_t peer2, int64_t tag,        \
-      int64_t tag2, int64_t status, int64_t site
-#define VJPMPI_ATTRS_OF Attrs{comm, red, root, peer, peer2, tag, tag2, status, site}
+      int64_t tag2, int64_t status, int64_t reverse, int64_t site
+#define VJPMPI_ATTRS_OF Attrs{comm, red, root, peer, peer2, tag, tag2, status, reverse, site}
 #define VJPMPI_ATTRS                                                         \
   .Attr<int64_t>("comm")       /* communicator handle (mpi4py .handle) */   \
       .Attr<int64_t>("red")    /* reduction code, see Red */                \
@@ -182,6 +205,7 @@ ffi::Error BarrierH(Mem mem, const Attrs& a) {
       .Attr<int64_t>("tag")    /* send tag */                               \
       .Attr<int64_t>("tag2")   /* receive tag */                            \
       .Attr<int64_t>("status") /* address of an MPI_Status to fill, or 0 */ \
+      .Attr<int64_t>("reverse") /* scans: 1 = from the last rank down */     \
       .Attr<int64_t>("site")   /* call-site id (check/timeout), or 0 */
 
 #define VJPMPI_UNARY(Symbol, name, F, N)                                                  \
@@ -221,19 +245,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kSend, SendImpl,
                                   .Ret<ffi::Token>()      // ordering token
                                       VJPMPI_ATTRS);
 
-ffi::Error SendrecvImpl(VJPMPI_CTX_PARAMS_FIRST ffi::AnyBuffer x, ffi::AnyBuffer tmpl, ffi::Token,
-                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
-                        VJPMPI_ATTR_PARAMS) {
-  return SendrecvH(VJPMPI_MEM, x, tmpl, y, VJPMPI_ATTRS_OF);
-}
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kSendrecv, SendrecvImpl,
-                              ffi::Ffi::Bind() VJPMPI_CTX_BIND
-                                  .Arg<ffi::AnyBuffer>()  // x, sent to peer
-                                  .Arg<ffi::AnyBuffer>()  // receive template
-                                  .Arg<ffi::Token>()      // ordering token
-                                  .Ret<ffi::AnyBuffer>()  // y, received from peer2
-                                  .Ret<ffi::Token>()      // ordering token
-                                      VJPMPI_ATTRS);
+// Two arrays in, one out (which may alias the second): sendrecv, the recurrence.
+#define VJPMPI_BINARY(Symbol, Handler)                                                       \
+  ffi::Error Symbol##Impl(VJPMPI_CTX_PARAMS_FIRST ffi::AnyBuffer a, ffi::AnyBuffer b,       \
+                          ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, \
+                          VJPMPI_ATTR_PARAMS) {                                              \
+    return Handler(VJPMPI_MEM, a, b, y, VJPMPI_ATTRS_OF);                                    \
+  }                                                                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Symbol, Symbol##Impl,                                        \
+                                ffi::Ffi::Bind() VJPMPI_CTX_BIND                             \
+                                    .Arg<ffi::AnyBuffer>() /* a */                           \
+                                    .Arg<ffi::AnyBuffer>() /* b */                           \
+                                    .Arg<ffi::Token>()     /* ordering token */              \
+                                    .Ret<ffi::AnyBuffer>() /* y */                           \
+                                    .Ret<ffi::Token>()     /* ordering token */              \
+                                        VJPMPI_ATTRS);
+
+// sendrecv: a is sent to peer; y, received from peer2, aliases b (the receive template)
+VJPMPI_BINARY(kSendrecv, SendrecvH)
+// recurrence: a, the coefficients, and b, the inputs; y may alias b
+VJPMPI_BINARY(kRecurrence, RecurrenceH)
 
 ffi::Error BarrierImpl(VJPMPI_CTX_PARAMS_FIRST ffi::Token, ffi::Result<ffi::Token>,
                        VJPMPI_ATTR_PARAMS) {
@@ -298,6 +329,7 @@ void DefineCommon(nb::module_& m) {
     d["recv"] = Capsule(kRecv);
     d["sendrecv"] = Capsule(kSendrecv);
     d["barrier"] = Capsule(kBarrier);
+    d["recurrence"] = Capsule(kRecurrence);
     return d;
   });
   // The MPI library these kernels resolved at load time (checked at import

@@ -13,6 +13,7 @@
 #include <mpi.h>
 
 #include <climits>
+#include <complex>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -365,6 +366,8 @@ struct Call {
   int tag;
   int tag2;
   MPI_Status* status;
+  bool reverse = false;  // scans: over the ranks in reverse order (see OrderedComm)
+  bool host_op = false;  // reduces with a host function (must see host memory)
   // Memory the buffers live in: host (default), or device memory handed to a
   // CUDA-aware MPI, where local copies go through `copy` (cudaMemcpy).
   void (*copy)(void* dst, const void* src, size_t bytes) = &HostCopy;
@@ -378,18 +381,18 @@ inline bool Half(Kind k) { return k == Kind::kF16 || k == Kind::kBF16; }
 
 // Allreduce, Scan and Exscan: one element-wise reduction call each, in place when
 // XLA aliased the buffers.
-#define VJPMPI_ELEMENTWISE(fn)                                                           \
-  [](const Call& c, const void* send, void* recv) -> std::string {                      \
+#define VJPMPI_ELEMENTWISE(fn, comm)                                                     \
+  [](const Call& c, MPI_Comm on, const void* send, void* recv) -> std::string {         \
     auto e = CountCheck(c.count, c.op, Half(c.kind));                                   \
     if (!e.empty()) return e;                                                            \
     const void* s = send == recv ? MPI_IN_PLACE : send;                                  \
     MPI_Datatype t = Datatype(c.kind);                                                   \
     MPI_Op op = Operation(c.red, c.kind);                                                \
-    return Check(VJPMPI_BY_COUNT(c.count, fn, s, recv, n, t, op, c.comm), c.op, #fn);   \
-  }(c, send, recv)
+    return Check(VJPMPI_BY_COUNT(c.count, fn, s, recv, n, t, op, on), c.op, #fn);       \
+  }(c, comm, send, recv)
 
 inline std::string Allreduce(const Call& c, const void* send, void* recv) {
-  return VJPMPI_ELEMENTWISE(MPI_Allreduce);
+  return VJPMPI_ELEMENTWISE(MPI_Allreduce, c.comm);
 }
 
 inline std::string Reduce(const Call& c, const void* send, void* recv) {
@@ -442,23 +445,30 @@ inline std::string Scatter(const Call& c, const void* send, void* recv) {
                "MPI_Scatter");
 }
 
-// A private duplicate of `comm` for vjpmpi's own point-to-point traffic inside
-// a collective, so it never matches the user's messages on `comm`. Cached on
-// `comm` as an MPI attribute (freed with it). Creating it is collective: only
-// call this from inside a collective that every rank of `comm` runs.
-inline int FreePrivate(MPI_Comm, int, void* attr, void*) {
-  MPI_Comm* dup = static_cast<MPI_Comm*>(attr);
-  MPI_Comm_free(dup);
-  delete dup;
+// Communicators derived from `comm` for vjpmpi's own use, cached on `comm` as MPI
+// attributes (freed with it):
+//  - kDuplicate: a private duplicate for vjpmpi's point-to-point traffic inside a
+//    collective, so it never matches the user's messages on `comm`;
+//  - kReversed: the same group with the ranks in reverse order (rank size-1-r), on
+//    which scans run "from the last rank down" (the adjoint order of a scan).
+// Creating one is collective: only call this from inside a collective that every
+// rank of `comm` runs.
+enum class Derived { kDuplicate, kReversed };
+
+inline int FreeDerived(MPI_Comm, int, void* attr, void*) {
+  MPI_Comm* derived = static_cast<MPI_Comm*>(attr);
+  MPI_Comm_free(derived);
+  delete derived;
   return MPI_SUCCESS;
 }
 
-inline std::string PrivateComm(MPI_Comm comm, const char* op, MPI_Comm* out) {
-  static int key = MPI_KEYVAL_INVALID;
+inline std::string DerivedComm(MPI_Comm comm, Derived kind, const char* op, MPI_Comm* out) {
+  static int keys[2] = {MPI_KEYVAL_INVALID, MPI_KEYVAL_INVALID};
   static std::once_flag once;
   std::call_once(once, [] {
-    MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, FreePrivate, &key, nullptr);
+    for (int& key : keys) MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, FreeDerived, &key, nullptr);
   });
+  int key = keys[static_cast<int>(kind)];
   void* value = nullptr;
   int found = 0;
   auto e = Check(MPI_Comm_get_attr(comm, key, &value, &found), op, "MPI_Comm_get_attr");
@@ -467,15 +477,31 @@ inline std::string PrivateComm(MPI_Comm comm, const char* op, MPI_Comm* out) {
     *out = *static_cast<MPI_Comm*>(value);
     return {};
   }
-  MPI_Comm* dup = new MPI_Comm;
-  e = Check(MPI_Comm_dup(comm, dup), op, "MPI_Comm_dup");
+  MPI_Comm* derived = new MPI_Comm;
+  if (kind == Derived::kDuplicate) {
+    e = Check(MPI_Comm_dup(comm, derived), op, "MPI_Comm_dup");
+  } else {
+    int rank = 0, size = 1;
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm_size(comm, &size);
+    e = Check(MPI_Comm_split(comm, 0, size - 1 - rank, derived), op, "MPI_Comm_split");
+  }
   if (!e.empty()) {
-    delete dup;
+    delete derived;
     return e;
   }
-  MPI_Comm_set_errhandler(*dup, MPI_ERRORS_RETURN);
-  *out = *dup;
-  return Check(MPI_Comm_set_attr(comm, key, dup), op, "MPI_Comm_set_attr");
+  MPI_Comm_set_errhandler(*derived, MPI_ERRORS_RETURN);
+  *out = *derived;
+  return Check(MPI_Comm_set_attr(comm, key, derived), op, "MPI_Comm_set_attr");
+}
+
+// The communicator a scan runs on: `c.comm`, or its reversed twin for c.reverse.
+inline std::string OrderedComm(const Call& c, MPI_Comm* out) {
+  if (!c.reverse) {
+    *out = c.comm;
+    return {};
+  }
+  return DerivedComm(c.comm, Derived::kReversed, c.op, out);
 }
 
 // In-place alltoall on a power-of-two communicator: in round k swap block
@@ -489,7 +515,7 @@ inline std::string AlltoallPairwise(const Call& c, void* buf, int size) {
   MPI_Datatype t = Datatype(c.kind);
   int rank = Rank(c.comm);
   MPI_Comm comm;
-  auto e = PrivateComm(c.comm, c.op, &comm);
+  auto e = DerivedComm(c.comm, Derived::kDuplicate, c.op, &comm);
   if (!e.empty()) return e;
   unsigned char* base = static_cast<unsigned char*>(buf);
   for (int k = 1; k < size; ++k) {
@@ -529,12 +555,17 @@ inline std::string ReduceScatter(const Call& c, const void* send, void* recv) {
 }
 
 inline std::string Scan(const Call& c, const void* send, void* recv) {
-  return VJPMPI_ELEMENTWISE(MPI_Scan);
+  return VJPMPI_ELEMENTWISE(MPI_Scan, c.comm);
 }
 
+// Exscan in rank order, or (c.reverse) from the last rank down; the first rank
+// of that order receives the identity of the reduction.
 inline std::string Exscan(const Call& c, const void* send, void* recv) {
-  std::string e = VJPMPI_ELEMENTWISE(MPI_Exscan);
-  if (e.empty() && Rank(c.comm) == 0) {
+  MPI_Comm comm;
+  std::string e = OrderedComm(c, &comm);
+  if (!e.empty()) return e;
+  e = VJPMPI_ELEMENTWISE(MPI_Exscan, comm);
+  if (e.empty() && Rank(comm) == 0) {
     if (c.device) {  // fill on the host, then copy to the device buffer
       std::vector<unsigned char> host(c.count * ByteSize(c.kind));
       FillIdentity(host.data(), c.count, c.kind, c.red);
@@ -544,6 +575,95 @@ inline std::string Exscan(const Call& c, const void* send, void* recv) {
     }
   }
   return e;
+}
+
+// ------------------------------------------------ linear recurrence scan --
+// Recurrence(a, b): e_s = sum over the ranks q before s of b_q * prod_{q < r < s} a_r,
+// element-wise, "before" in rank order (or, for c.reverse, from the last rank down);
+// 0 on the first rank. It is the exclusive scan of the affine maps z -> a_r z + b_r
+// under composition, (a1, b1) then (a2, b2) = (a1 a2, a2 b1 + b2): associative, not
+// commutative, so MPI applies it in rank order. Each element travels as an (a, b)
+// pair; float16/bfloat16 compute in float.
+template <typename T>
+struct Plain {
+  using F = T;
+  static F Load(T v) { return v; }
+  static T Store(F v) { return v; }
+};
+template <float (*From)(uint16_t), uint16_t (*To)(float)>
+struct Half16 {
+  using F = float;
+  static F Load(uint16_t v) { return From(v); }
+  static uint16_t Store(F v) { return To(v); }
+};
+
+template <typename T, typename A>
+void ComposeAffine(void* in, void* inout, int* len, MPI_Datatype*) {
+  const T* u = static_cast<const T*>(in);
+  T* v = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    auto a1 = A::Load(u[2 * i]), b1 = A::Load(u[2 * i + 1]);
+    auto a2 = A::Load(v[2 * i]), b2 = A::Load(v[2 * i + 1]);
+    v[2 * i] = A::Store(a1 * a2);
+    v[2 * i + 1] = A::Store(a2 * b1 + b2);
+  }
+}
+
+// The (a, b) pair datatype and the composition op of a floating kind, made once
+// after MPI_Init; {MPI_DATATYPE_NULL, MPI_OP_NULL} for the other kinds.
+struct PairOp {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  MPI_Op op = MPI_OP_NULL;
+};
+
+inline PairOp AffinePair(Kind k) {
+  static std::once_flag once;
+  static PairOp pairs[static_cast<int>(Kind::kUnsupported)];
+  std::call_once(once, [] {
+    auto make = [](Kind kind, MPI_User_function* fn) {
+      PairOp& p = pairs[static_cast<int>(kind)];
+      MPI_Type_contiguous(2, Datatype(kind), &p.type);
+      MPI_Type_commit(&p.type);
+      MPI_Op_create(fn, /*commute=*/0, &p.op);
+    };
+    make(Kind::kF16, &ComposeAffine<uint16_t, Half16<HalfToFloat, FloatToHalf>>);
+    make(Kind::kBF16, &ComposeAffine<uint16_t, Half16<BF16ToFloat, FloatToBF16>>);
+    make(Kind::kF32, &ComposeAffine<float, Plain<float>>);
+    make(Kind::kF64, &ComposeAffine<double, Plain<double>>);
+    make(Kind::kC64, &ComposeAffine<std::complex<float>, Plain<std::complex<float>>>);
+    make(Kind::kC128, &ComposeAffine<std::complex<double>, Plain<std::complex<double>>>);
+  });
+  return k == Kind::kUnsupported ? PairOp{} : pairs[static_cast<int>(k)];
+}
+
+inline std::string Recurrence(const Call& c, const void* a, const void* b, void* out) {
+  auto e = CountCheck(c.count, c.op, /*user_op=*/true);
+  if (!e.empty()) return e;
+  PairOp pair = AffinePair(c.kind);
+  if (pair.op == MPI_OP_NULL) return std::string("vjpmpi.") + c.op + ": unsupported dtype";
+  MPI_Comm comm;
+  e = OrderedComm(c, &comm);
+  if (!e.empty()) return e;
+  size_t w = ByteSize(c.kind);
+  static thread_local std::vector<unsigned char> pairs;
+  pairs.resize(2 * c.count * w);
+  const unsigned char* pa = static_cast<const unsigned char*>(a);
+  const unsigned char* pb = static_cast<const unsigned char*>(b);
+  for (size_t i = 0; i < c.count; ++i) {
+    std::memcpy(&pairs[2 * i * w], pa + i * w, w);
+    std::memcpy(&pairs[(2 * i + 1) * w], pb + i * w, w);
+  }
+  e = Check(MPI_Exscan(MPI_IN_PLACE, pairs.data(), static_cast<int>(c.count), pair.type, pair.op,
+                       comm),
+            c.op, "MPI_Exscan");
+  if (!e.empty()) return e;
+  unsigned char* po = static_cast<unsigned char*>(out);
+  if (Rank(comm) == 0) {  // nothing before the first rank: the empty sum
+    std::memset(po, 0, c.count * w);  // +0 in every floating kind
+  } else {
+    for (size_t i = 0; i < c.count; ++i) std::memcpy(po + i * w, &pairs[(2 * i + 1) * w], w);
+  }
+  return {};
 }
 
 inline std::string Send(const Call& c, const void* send, void*) {
