@@ -243,6 +243,19 @@ def test_collective_inputs_independent_of_x_on_some_ranks(transform):
     np.testing.assert_allclose(g, want, rtol=1e-13)
 
 
+def test_bcast_input_built_from_constants_on_some_ranks():
+    x = normal(4, 24)
+    xs = np.stack(WORLD.allgather(np.asarray(x)))
+
+    def loss(v):  # only rank 0's input matters; rank 1's is a constant
+        y = vjpmpi.bcast(jnp.zeros(4) if rank == 1 else v, 0)
+        return jnp.sum(y * v)
+
+    g = jax.jit(jax.grad(loss))(x)
+    # sum over ranks of x_0 . x_r: d/dx_0 = x_0 + sum_r x_r, d/dx_r = x_0 elsewhere
+    np.testing.assert_allclose(g, xs[0] + xs.sum(0) if rank == 0 else xs[0], rtol=1e-13)
+
+
 def test_jvp_with_collective_inputs_independent_of_x_on_some_ranks():
     x, d = normal(4, 22), normal(4, 23)
     value, jv = jax.jit(lambda a, b: jax.jvp(_inputs_on_even_ranks_only, (a,), (b,)))(x, d)
@@ -473,9 +486,9 @@ def test_ordered_collective_nests_and_vmaps():
     del w
 
 
-# send_recv is left out: its backward receive on the sending rank has a constant
-# template, so a second linearization skips it there (README: differentiation limits).
-@pytest.mark.parametrize("name", [n for n in LINEAR if n != "send_recv"])
+# send_recv included: its backward receive on the sending rank has a constant template,
+# which a second linearization still runs (vjpmpi gives it a zero tangent there).
+@pytest.mark.parametrize("name", list(LINEAR))
 def test_second_order_through_every_linear_op(name):
     f, shape = LINEAR[name]
     x, v = normal(shape, 28), normal(shape, 29)
