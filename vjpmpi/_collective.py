@@ -100,12 +100,13 @@ def contains_collective(jaxpr: core.Jaxpr) -> bool:
     return hit
 
 
-def _body_communicates(eqn) -> bool:
-    return any(contains_collective(j) for j in jc.jaxprs_in_params(eqn.params))
+def _binds_collective(prim, params) -> bool:
+    """Whether `prim` is a collective or holds one in a jaxpr of its `params`."""
+    return prim in _PRIMITIVES or any(contains_collective(j) for j in jc.jaxprs_in_params(params))
 
 
 def _communicates(eqn) -> bool:
-    return eqn.primitive in _PRIMITIVES or _body_communicates(eqn) or _is_exported_call(eqn)
+    return _binds_collective(eqn.primitive, eqn.params) or _is_exported_call(eqn)
 
 
 _exported_cache: dict = {}
@@ -393,13 +394,9 @@ def make_primitive(spec: Collective) -> tuple[core.Primitive, core.Primitive]:
     return prim, lin
 
 
-def _needs_tangent_rule(prim, params) -> bool:
-    return prim in _PRIMITIVES or any(contains_collective(j) for j in jc.jaxprs_in_params(params))
-
-
 # Every rank runs every tangent collective (and so its transpose), also where its
 # inputs do not depend on what is differentiated.
-jc.run_tangent_rules(_needs_tangent_rule)
+jc.run_tangent_rules(_binds_collective)
 jc.track_host_callbacks()
 
 _IN_CALLBACK = (

@@ -171,38 +171,23 @@ def _others_product(x, p):
     return _call("exscan", x, p, red=PROD) * _call("exscan_reversed", x, p, red=PROD)
 
 
-def _extremal(x, y, p, total, tangent):
-    """MAX/MIN: sum of `t` over the ranks whose `x` equals the result `y`, divided by
-    their number; `total(v, red, tangent)` sums over the ranks that `y` reduces."""
-    hit = x == y
-    n = total(hit.astype(_count_dtype(p)), SUM, False)
-    return total(jnp.where(hit, tangent, 0), SUM, True) / n
-
-
-def _jvp_allreduce(primals, tangents, outs, p):
-    (x,), (t,), (y,) = primals, tangents, outs
-    total = lambda v, red, lin: _call("allreduce", v, p, red=red, tangent=lin)  # noqa: E731
-    if p["red"] == PROD:
-        return [total(t * _others_product(x, p), SUM, True)]
-    return [_extremal(x, y, p, total, t)]
-
-
-def _jvp_reduce(primals, tangents, outs, p):  # the result is x itself off the root
-    (x,), (t,), (y,) = primals, tangents, outs
-    total = lambda v, red, lin: _call("reduce", v, p, red=red, tangent=lin)  # noqa: E731
-    if p["red"] == PROD:
-        out = total(t * _others_product(x, p), SUM, True)
-    else:
-        out = _extremal(x, _call("bcast", y, p), p, total, t)  # the root's result everywhere
-    return [out if _is_root(p) else t]
-
-
-def _jvp_reduce_scatter(primals, tangents, outs, p):  # x: (size, *block) -> block
-    (x,), (t,), (y,) = primals, tangents, outs
-    total = lambda v, red, lin: _call("reduce_scatter", v, p, red=red, tangent=lin)  # noqa: E731
-    if p["red"] == PROD:
-        return [total(t * _others_product(x, p), SUM, True)]
-    return [_extremal(x, _call("allgather", y, p), p, total, t)]  # every block's result
+def _jvp_sum_over_ranks(name, everywhere=lambda y, p: y):
+    """JVP of allreduce, reduce, reduce_scatter: a SUM by `name` itself over the ranks
+    the result reduces. PROD: of t times the product of the other ranks' values.
+    MAX/MIN: of t where x attains the result (`everywhere(y, p)`: the results x
+    contributes to, on this rank), divided by the number of ranks that do. reduce's
+    result off the root is x itself."""
+    def jvp(primals, tangents, outs, p):
+        (x,), (t,), (y,) = primals, tangents, outs
+        total = lambda v, tangent: _call(name, v, p, red=SUM, tangent=tangent)  # noqa: E731
+        if p["red"] == PROD:
+            out = total(t * _others_product(x, p), True)
+        else:
+            hit = x == everywhere(y, p)
+            n = total(hit.astype(_count_dtype(p)), False)
+            out = total(jnp.where(hit, t, 0), True) / n
+        return [out if "root" not in p or _is_root(p) else t]
+    return jvp
 
 
 def _carried(keep, hit, t, p, reverse):
@@ -280,8 +265,11 @@ def _reduction_spec(name, out_avals, jvp, params=_RED, **kw):
 SPECS = {
     spec.name: spec
     for spec in [
-        _reduction_spec("allreduce", _like(0), _jvp_allreduce, transpose=_partner("allreduce")),
-        _reduction_spec("reduce", _like(0), _jvp_reduce, {**_RED, **_ROOT}, transpose=_t_reduce),
+        _reduction_spec("allreduce", _like(0), _jvp_sum_over_ranks("allreduce"),
+                        transpose=_partner("allreduce")),
+        _reduction_spec("reduce", _like(0),  # the root's result, on every rank:
+                        _jvp_sum_over_ranks("reduce", lambda y, p: _call("bcast", y, p)),
+                        {**_RED, **_ROOT}, transpose=_t_reduce),
         Collective("bcast", _like(0), _ROOT, alias=(0, 0), transpose=_t_bcast),
         Collective(
             "allgather",
@@ -295,7 +283,8 @@ SPECS = {
         Collective("alltoall", _like(0), alias=(0, 0), rank_axis=lambda p: (True, True),
                    transpose=_partner("alltoall")),
         _reduction_spec(
-            "reduce_scatter", lambda p, x: [_with_shape(x, x.shape[1:])], _jvp_reduce_scatter,
+            "reduce_scatter", lambda p, x: [_with_shape(x, x.shape[1:])],
+            _jvp_sum_over_ranks("reduce_scatter", lambda y, p: _call("allgather", y, p)),
             alias=None, rank_axis=lambda p: (True, False), transpose=_partner("allgather"),
         ),
         _reduction_spec("scan", _like(0), _jvp_scan, transpose=_t_scan),
