@@ -166,9 +166,11 @@ def _recurrence(a, b, p, *, reverse=False, tangent=False):
     return _call("recurrence_reversed" if reverse else "recurrence", [a, b], p, tangent=tangent)
 
 
-def _others_product(x, p):
-    """prod_{r != rank} x_r, element-wise: exclusive products from both ends."""
-    return _call("exscan", x, p, red=PROD) * _call("exscan_reversed", x, p, red=PROD)
+def _jvp_others_product(primals, tangents, outs, p):  # d(pre * post), each a recurrence
+    (x,), t = primals, ad.instantiate_zeros(tangents[0])
+    pre, post = _call("exscan", x, p, red=PROD), _call("exscan_reversed", x, p, red=PROD)
+    return [_recurrence(x, t * pre, p, tangent=True) * post
+            + pre * _recurrence(x, t * post, p, reverse=True, tangent=True)]
 
 
 def _jvp_sum_over_ranks(name, everywhere=lambda y, p: y):
@@ -181,7 +183,7 @@ def _jvp_sum_over_ranks(name, everywhere=lambda y, p: y):
         (x,), (t,), (y,) = primals, tangents, outs
         total = lambda v, tangent: _call(name, v, p, red=SUM, tangent=tangent)  # noqa: E731
         if p["red"] == PROD:
-            out = total(t * _others_product(x, p), True)
+            out = total(t * _call("others_product", x, p), True)
         else:
             hit = x == everywhere(y, p)
             n = total(hit.astype(_count_dtype(p)), False)
@@ -302,10 +304,12 @@ SPECS = {
                    transpose=_partner("use_replicated")),
         Collective("use_replicated", _like(0), target=None,
                    transpose=_partner("sum_replicated", red=SUM)),
-        # Private, for the derivatives: scans from the last rank down, and the linear
-        # recurrence e_s = sum_{q before s} b_q prod_{q < r < s} a_r (linear in b).
+        # Private, for the derivatives: scans from the last rank down, the product of
+        # the other ranks' values, and the linear recurrence e_s = sum_{q before s} b_q prod_{q < r < s} a_r (linear in b).
         _reduction_spec("exscan_reversed", _like(0), _jvp_exscan(True), target="exscan",
                         fixed=_REVERSED, transpose=_t_exscan(True)),
+        Collective("others_product", _like(0), linear=lambda p: False,
+                   nonlinear_jvp=_jvp_others_product),
         *[Collective(name, _like(1), fixed=fixed, alias=(1, 0), target="recurrence",
                      linear=lambda p: False, nonlinear_jvp=_jvp_recurrence(bool(fixed)),
                      transpose=_t_recurrence(bool(fixed)))

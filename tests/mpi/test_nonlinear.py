@@ -326,3 +326,23 @@ def test_recurrence_matches_numpy(dtype, reverse):
         want = want * As[order[i]] + Bs[order[i]] if i else Bs[order[i]].copy()
     np.testing.assert_array_equal(np.asarray(e).astype(np.complex128),
                                   want if dt.kind == "c" else want.real)
+
+
+# ----------------------------------------- the others-product kernel --
+@pytest.mark.parametrize("dtype, n", [(d, 7) for d in ("float16", "bfloat16", "float32", "float64",
+                                                       "complex64", "complex128")]
+                         + [("float64", (4 << 20) // 8 + 5)])  # two 4 MiB blocks
+def test_others_product_matches_numpy(dtype, n):
+    """prod over the ranks r != this one of x_r, element-wise, zeros included (the
+    derivative of allreduce/reduce/reduce_scatter PROD); exact on small integers."""
+    dt = BF16 if dtype == "bfloat16" else np.dtype(dtype)
+    gen = rng(23)
+    x = gen.integers(-2, 3, n).astype(dt)
+    if dt.kind == "c":
+        x = (x + 1j * gen.integers(-1, 2, n)).astype(dt)
+    comm = vjpmpi._mpi.as_comm(None, "test")
+    (got,) = jax.jit(lambda v: _ops.PRIMITIVES["others_product"].bind(v, comm=comm))(x)
+    xs = np.stack(WORLD.allgather(x)).astype(np.complex128)
+    want = np.prod(np.delete(xs, rank, axis=0), axis=0)
+    np.testing.assert_array_equal(np.asarray(got).astype(np.complex128),
+                                  want if dt.kind == "c" else want.real)

@@ -101,6 +101,7 @@ ffi::Error Unary(Mem mem, const char* name, ffi::AnyBuffer x, ffi::Result<ffi::A
   Call c = MakeCall(name, a);
   c.kind = KindOf(x.element_type());
   if (c.kind == Kind::kUnsupported) return Unsupported(name);
+  c.host_op = F == OthersProduct;  // multiplies on the host
   if (N == Count::kIn) {
     c.count = x.element_count();
   } else if (N == Count::kOut) {
@@ -232,6 +233,7 @@ VJPMPI_UNARY(kAlltoall, "alltoall", Alltoall, Count::kInPerRank)
 VJPMPI_UNARY(kReduceScatter, "reduce_scatter", ReduceScatter, Count::kOut)
 VJPMPI_UNARY(kScan, "scan", Scan, Count::kIn)
 VJPMPI_UNARY(kExscan, "exscan", Exscan, Count::kIn)
+VJPMPI_UNARY(kOthersProduct, "others_product", OthersProduct, Count::kIn)
 VJPMPI_UNARY(kRecv, "recv", Recv, Count::kOut)
 
 ffi::Error SendImpl(VJPMPI_CTX_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::Token>,
@@ -330,6 +332,7 @@ void DefineCommon(nb::module_& m) {
     d["sendrecv"] = Capsule(kSendrecv);
     d["barrier"] = Capsule(kBarrier);
     d["recurrence"] = Capsule(kRecurrence);
+    d["others_product"] = Capsule(kOthersProduct);
     return d;
   });
   // The MPI library these kernels resolved at load time (checked at import

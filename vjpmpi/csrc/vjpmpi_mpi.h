@@ -12,6 +12,7 @@
 #endif
 #include <mpi.h>
 
+#include <algorithm>
 #include <climits>
 #include <complex>
 #include <cstdint>
@@ -575,6 +576,36 @@ inline std::string Exscan(const Call& c, const void* send, void* recv) {
     }
   }
   return e;
+}
+
+// OthersProduct(x): prod_{r != rank} x_r, element-wise (the derivative of a product
+// over the ranks): the exclusive product in rank order times the one from the last
+// rank down, in blocks of at most 4 MiB so that MPI's own scratch for the scans, and
+// ours for the second one, stay small whatever the array's size. No division, so
+// exact with zeros. Out of place (x is the forward's input too).
+inline std::string OthersProduct(const Call& c, const void* x, void* out) {
+  auto e = CountCheck(c.count, c.op, Half(c.kind));
+  if (!e.empty()) return e;
+  MPI_Comm rev;
+  e = DerivedComm(c.comm, Derived::kReversed, c.op, &rev);
+  if (!e.empty()) return e;
+  MPI_Datatype t = Datatype(c.kind);
+  MPI_Op prod = Operation(Red::kProd, c.kind);
+  size_t w = ByteSize(c.kind), block = std::max<size_t>(1, (size_t{4} << 20) / w);
+  bool first = Rank(c.comm) == 0, last = Rank(rev) == 0;
+  static thread_local std::vector<unsigned char> after;
+  after.resize(std::min(block, c.count) * w);
+  const unsigned char* in = static_cast<const unsigned char*>(x);
+  unsigned char* res = static_cast<unsigned char*>(out);
+  for (size_t at = 0; at < c.count; at += block) {
+    int n = static_cast<int>(std::min(block, c.count - at));
+    e = Check(MPI_Exscan(in + at * w, res + at * w, n, t, prod, c.comm), c.op, "MPI_Exscan");
+    if (e.empty()) e = Check(MPI_Exscan(in + at * w, after.data(), n, t, prod, rev), c.op, "MPI_Exscan");
+    if (!e.empty()) return e;
+    if (first) FillIdentity(res + at * w, n, c.kind, Red::kProd);  // nothing before rank 0
+    if (!last) MPI_Reduce_local(after.data(), res + at * w, n, t, prod);  // nor after the last
+  }
+  return {};
 }
 
 // ------------------------------------------------ linear recurrence scan --
