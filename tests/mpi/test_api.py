@@ -237,7 +237,7 @@ def test_every_op_is_one_spec_and_one_primitive():
         "reduce_scatter", "scan", "exscan", "send", "recv", "sendrecv", "barrier",
         "sum_replicated", "use_replicated",
         # private, for the derivatives of MAX/MIN/PROD
-        "exscan_reversed", "recurrence", "recurrence_reversed"}
+        "exscan_reversed", "others_product", "recurrence", "recurrence_reversed"}
     for name, prim in _ops.PRIMITIVES.items():
         assert prim.name == f"vjpmpi_{name}"
         assert _ops.LINEARIZED[name].name == f"vjpmpi_{name}_lin"

@@ -65,19 +65,52 @@ def test_row_parallel_linear(parallel_in):
     close(layer.to_dense().weight, dense.weight)
 
 
-def test_parallel_mlp_and_init_from_key():
-    mlp = eqx.nn.MLP(6, 3, F, depth=1, activation=jnp.tanh, key=jax.random.PRNGKey(5))
+def allreduces_in_grad(model, x):
+    """Allreduce calls in what XLA compiled for jit(grad) of sum(model(x)) (parameters
+    and input)."""
+    params, static = eqx.partition(model, eqx.is_array)
+    fn = jax.jit(jax.grad(lambda p, v: jnp.sum(eqx.combine(p, static)(v)), argnums=(0, 1)))
+    return fn.lower(params, x).compile().as_text().count('custom_call_target="vjpmpi_allreduce"')
+
+
+@pytest.mark.parametrize("depth, use_bias", [(0, True), (1, True), (2, False), (3, True)])
+def test_parallel_mlp_any_depth_equals_dense(depth, use_bias):
+    mlp = eqx.nn.MLP(6, 3, F, depth=depth, activation=jnp.tanh, final_activation=jax.nn.sigmoid,
+                     use_bias=use_bias, use_final_bias=not use_bias, key=jax.random.PRNGKey(5))
     layer = vnn.ParallelMLP.from_dense(mlp)
     x = jax.random.normal(jax.random.PRNGKey(6), (6,))
     close(eqx.filter_jit(layer)(x), mlp(x))
     (g, gx), (gd, gxd) = grads(layer, x), grads(mlp, x)
     close(gx, gxd)
-    close(g.column.weight, shard_rows(gd.layers[0].weight))
-    close(g.row.weight, shard_rows(gd.layers[1].weight, axis=1))
-    close(g.row.bias, gd.layers[1].bias)
+    for i, (mine, ref) in enumerate(zip(g.layers, gd.layers)):
+        pair, last = i % 2, i + 1 == len(gd.layers)
+        if last and i % 2 == 0:  # unpaired last layer: whole on every rank
+            close(mine.weight, ref.weight)
+        else:  # column layer: rows (and bias) split; row layer: columns split
+            close(mine.weight, shard_rows(ref.weight, axis=pair))
+            if ref.bias is not None:
+                close(mine.bias, ref.bias if pair else shard_rows(ref.bias))
+    back = layer.to_dense()  # the round trip gives the dense layer back
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(mlp)
+    for a, b in zip(*(jax.tree_util.tree_leaves(eqx.filter(m, eqx.is_array)) for m in (back, mlp))):
+        close(a, b)
+    close(back(x), mlp(x))
+    # one allreduce forward and one backward per column/row pair
+    assert allreduces_in_grad(layer, x) == 2 * (len(mlp.layers) // 2)
+
+
+def test_parallel_mlp_init_from_key_and_unsplittable_mlps():
     # sharded init from one key = the same global weights on any number of ranks
     from_key = vnn.ColumnParallelLinear(6, F, key=jax.random.PRNGKey(7))
     close(from_key.to_dense().weight, eqx.nn.Linear(6, F, key=jax.random.PRNGKey(7)).weight)
+    layer = vnn.ParallelMLP(6, 3, F, jnp.tanh, depth=2, key=jax.random.PRNGKey(8))
+    close(layer.to_dense().layers[1].weight,
+          eqx.nn.MLP(6, 3, F, 2, activation=jnp.tanh, key=jax.random.PRNGKey(8)).layers[1].weight)
+    learnt = eqx.nn.MLP(6, 3, F, 1, activation=eqx.nn.PReLU(), key=jax.random.PRNGKey(8))
+    with pytest.raises(ValueError, match=r"ParallelMLP: a learnt activation"):
+        vnn.ParallelMLP.from_dense(learnt)
+    with pytest.raises(ValueError, match=r"ParallelMLP: .*scalar"):
+        vnn.ParallelMLP.from_dense(eqx.nn.MLP("scalar", 3, F, 1, key=jax.random.PRNGKey(8)))
 
 
 def test_vocab_parallel_embedding():
@@ -89,6 +122,63 @@ def test_vocab_parallel_embedding():
     gd = eqx.filter_grad(lambda m: jnp.sum(jnp.sin(jax.vmap(m)(ids))))(dense)
     close(g.weight, shard_rows(gd.weight))
     close(layer.to_dense().weight, dense.weight)
+
+
+@pytest.mark.parametrize("dtype, scale, tol", [(jnp.float64, 3.0, 1e-12),
+                                               (jnp.float64, 300.0, 1e-12),
+                                               (jnp.float32, 3.0, 1e-5)])
+def test_vocab_parallel_cross_entropy_equals_optax(dtype, scale, tol):
+    vocab = 4 * F  # divisible by 1-4 ranks
+    logits = jax.random.normal(jax.random.PRNGKey(24), (3, 5, vocab), dtype) * scale
+    labels = jax.random.randint(jax.random.PRNGKey(25), (3, 5), 0, vocab)
+    weights = jax.random.uniform(jax.random.PRNGKey(26), (3, 5), dtype)
+    shard = shard_rows(logits, axis=2)  # this rank's block of the vocabulary
+
+    def loss(fn, lg):
+        return jnp.sum(fn(lg, labels) * weights)
+
+    mine = jax.jit(lambda lg: vnn.vocab_parallel_cross_entropy(lg, labels))(shard)
+    ref = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    close(mine, ref, tol)
+    grad = jax.jit(jax.grad(lambda lg: loss(vnn.vocab_parallel_cross_entropy, lg)))
+    xent = optax.softmax_cross_entropy_with_integer_labels
+    ref_grad = jax.jit(jax.grad(lambda lg: loss(xent, lg)))
+    close(grad(shard), shard_rows(ref_grad(logits), axis=2), tol)
+    # forward mode and Hessian-vector products (the same tangent on every rank)
+    t = jax.random.normal(jax.random.PRNGKey(30), logits.shape, dtype)
+    jvp = jax.jit(lambda a, b: jax.jvp(lambda lg: loss(vnn.vocab_parallel_cross_entropy, lg),
+                                       (a,), (b,))[1])
+    ref_jvp = jax.jit(lambda a, b: jax.jvp(lambda lg: loss(xent, lg), (a,), (b,))[1])
+    close(jvp(shard, shard_rows(t, axis=2)), ref_jvp(logits, t), tol)
+    hvp = jax.jit(lambda a, b: jax.jvp(grad, (a,), (b,))[1])
+    ref_hvp = jax.jit(lambda a, b: jax.jvp(ref_grad, (a,), (b,))[1])
+    close(hvp(shard, shard_rows(t, axis=2)), shard_rows(ref_hvp(logits, t), axis=2), tol)
+    # two small allreduces forward (the maximum; the sums), none backward, no gather
+    text = grad.lower(shard).compile().as_text()
+    assert text.count('custom_call_target="vjpmpi_allreduce"') == 2
+    assert "vjpmpi_allgather" not in text
+
+
+def test_vocab_parallel_head_and_loss_train_like_the_dense_head():
+    vocab = 4 * F
+    head = eqx.nn.Linear(8, vocab, key=jax.random.PRNGKey(27))
+    parallel = vnn.ColumnParallelLinear.from_dense(head)  # logits stay split by vocabulary
+    h = jax.random.normal(jax.random.PRNGKey(28), (5, 8))
+    labels = jax.random.randint(jax.random.PRNGKey(29), (5,), 0, vocab)
+
+    def loss(layer, hh, fn):
+        return jnp.mean(fn(jax.vmap(layer)(hh), labels))
+
+    both = eqx.filter_jit(lambda m, v, fn: (eqx.filter_grad(loss)(m, v, fn),
+                                            jax.grad(loss, 1)(m, v, fn)))
+    xent = optax.softmax_cross_entropy_with_integer_labels
+    (g, gh), (gd, ghd) = both(parallel, h, vnn.vocab_parallel_cross_entropy), both(head, h, xent)
+    close(loss(parallel, h, vnn.vocab_parallel_cross_entropy), loss(head, h, xent))
+    close(gh, ghd)
+    close(g.weight, shard_rows(gd.weight))
+    close(g.bias, shard_rows(gd.bias))
+    with pytest.raises(ValueError, match=r"vocab_parallel_cross_entropy: labels of shape"):
+        vnn.vocab_parallel_cross_entropy(jnp.zeros((5, F)), labels[:3])
 
 
 def test_uneven_split_is_a_clear_error():
@@ -132,27 +222,66 @@ def test_allreduce_gradients_one_call_per_dtype_and_optax():
     assert isinstance(_mpi.as_comm(None, "x"), _mpi.CommRef)
 
 
-def test_parallel_multihead_attention():
+@pytest.mark.parametrize("mask_kind, dropout, bias", [
+    ("none", 0.0, False), ("2d", 0.0, True), ("per-head", 0.0, False), ("2d", 0.3, True),
+    ("per-head", 0.3, False)])
+def test_parallel_multihead_attention_equals_dense(mask_kind, dropout, bias):
     heads = 3 if size == 3 else 4  # divisible by the rank count
-    dense = eqx.nn.MultiheadAttention(heads, 8, qk_size=3, vo_size=2, key=jax.random.PRNGKey(11))
+    dense = eqx.nn.MultiheadAttention(heads, 8, qk_size=3, vo_size=2, use_query_bias=bias,
+                                      use_value_bias=bias, use_output_bias=bias,
+                                      dropout_p=dropout, key=jax.random.PRNGKey(11))
     layer = vnn.ParallelMultiheadAttention.from_dense(dense)
     q = jax.random.normal(jax.random.PRNGKey(12), (5, 8))
     kv = jax.random.normal(jax.random.PRNGKey(13), (6, 8))
-    mask = jnp.tril(jnp.ones((5, 6), bool))
-    close(eqx.filter_jit(layer)(q, kv, kv, mask), dense(q, kv, kv, mask))
+    mask = {"none": None, "2d": jnp.tril(jnp.ones((5, 6), bool)),
+            "per-head": jax.random.bernoulli(jax.random.PRNGKey(19), 0.7, (heads, 5, 6))
+            .at[:, :, 0].set(True)}[mask_kind]
+    drop_key = jax.random.PRNGKey(20)  # dropout: the same per-head keys as the dense layer
+    call = lambda m, a: m(a, kv, kv, mask, key=drop_key)  # noqa: E731
+    close(eqx.filter_jit(call)(layer, q), call(dense, q))
 
-    def loss(m, a, b):
-        return jnp.sum(jnp.sin(m(a, b, b, mask)))
+    def loss(m, a):
+        return jnp.sum(jnp.sin(call(m, a)))
 
-    g, gq = eqx.filter_jit(eqx.filter_grad(lambda m, a: loss(m, a, kv)))(layer, q), \
-        jax.grad(lambda a: loss(layer, a, kv))(q)
-    gd, gqd = eqx.filter_grad(lambda m, a: loss(m, a, kv))(dense, q), \
-        jax.grad(lambda a: loss(dense, a, kv))(q)
+    both = eqx.filter_jit(lambda m, a: (eqx.filter_grad(loss)(m, a), jax.grad(loss, 1)(m, a)))
+    (g, gq), (gd, gqd) = both(layer, q), both(dense, q)
     close(gq, gqd)
-    close(g.local.query_proj.weight, shard_rows(gd.query_proj.weight))
-    close(g.local.value_proj.weight, shard_rows(gd.value_proj.weight))
-    close(g.local.output_proj.weight, shard_rows(gd.output_proj.weight, axis=1))
-    close(layer.to_dense().query_proj.weight, dense.query_proj.weight)
+    close(g.query_proj.weight, shard_rows(gd.query_proj.weight))
+    close(g.value_proj.weight, shard_rows(gd.value_proj.weight))
+    close(g.output_proj.weight, shard_rows(gd.output_proj.weight, axis=1))
+    if bias:
+        close(g.value_proj.bias, shard_rows(gd.value_proj.bias))
+        close(g.output_proj.bias, gd.output_proj.bias)
+    back = layer.to_dense()
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(dense)
+    for a, b in zip(*(jax.tree_util.tree_leaves(eqx.filter(m, eqx.is_array)) for m in (back, dense))):
+        close(a, b)
+    close(call(back, q), call(dense, q))
+
+
+def test_attention_bad_masks_are_clear_errors():
+    layer = vnn.ParallelMultiheadAttention(4 if size != 3 else 3, 8, key=jax.random.PRNGKey(21))
+    x = jnp.ones((5, 8))
+    with pytest.raises(ValueError, match=r"ParallelMultiheadAttention: mask must have shape"):
+        layer(x, x, x, jnp.ones((1, 5), bool))
+    with pytest.raises(ValueError, match=r"ParallelMultiheadAttention: a 3-D mask must have "
+                                         r"num_heads=\d rows"):
+        layer(x, x, x, jnp.ones((2, 5, 5), bool))
+
+
+def test_self_attention_runs_one_backward_allreduce():
+    heads = 3 if size == 3 else 4
+    attn = vnn.ParallelMultiheadAttention(heads, 8, key=jax.random.PRNGKey(22))
+    x, y = jnp.ones((5, 8)), jnp.full((5, 8), 2.0)
+    # forward: the output projection's sum; backward: one per distinct input
+    assert allreduces_in_grad(lambda v: attn(v, v, v), x) == 2
+    assert allreduces_in_grad(lambda v: (lambda kv: attn(v, kv, kv))(y * v), x) == 3  # kv: one
+    assert allreduces_in_grad(lambda v: attn(v, y * v, 2 * v), x) == 4
+    # a transformer block: attention and MLP, one allreduce forward and one backward each
+    k = jax.random.split(jax.random.PRNGKey(23), 2)
+    block = Block(eqx.nn.LayerNorm(8), attn, eqx.nn.LayerNorm(8),
+                  vnn.ParallelMLP.from_dense(eqx.nn.MLP(8, 8, F, depth=1, key=k[0])))
+    assert allreduces_in_grad(block, x) == 4
 
 
 class Block(eqx.Module):

@@ -8,3 +8,4 @@ from ._mlp import ParallelMLP as ParallelMLP
 from ._mlp import allreduce_gradients as allreduce_gradients
 from ._halo import HaloConv as HaloConv
 from ._halo import HaloExchange as HaloExchange
+from ._loss import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy

@@ -2,36 +2,57 @@
 
 from __future__ import annotations
 
-import copy
+import math
 
 import equinox as eqx
-from jaxtyping import Array, Float, PRNGKeyArray
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from .._mpi import CommRef
+from .._ops import use_replicated
 from ._linear import ColumnParallelLinear, RowParallelLinear
-from ._shard import comm_ref
+from ._shard import block, comm_ref
+
+_PROJECTIONS = ("query_proj", "key_proj", "value_proj", "output_proj")
 
 
-def _with_num_heads(mha: eqx.nn.MultiheadAttention, num_heads: int):
-    """A copy of `mha` with another (static) head count."""
-    out = copy.copy(mha)
-    object.__setattr__(out, "num_heads", num_heads)
-    return out
+def _head(q, k, v, mask, dropout, key, inference):
+    """One head's scaled dot-product attention, as eqx.nn.MultiheadAttention computes it
+    (softmax in at least float32; dropout on the weights)."""
+    logits = jnp.einsum("sd,Sd->sS", q / math.sqrt(q.shape[-1]), k)
+    if mask is not None:
+        logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+    dtype = jnp.promote_types(logits.dtype, jnp.float32)
+    weights = jax.nn.softmax(logits.astype(dtype)).astype(logits.dtype)
+    weights = dropout(weights, key=key, inference=inference)
+    return jnp.einsum("sS,Sd->sd", weights, v)
 
 
 class ParallelMultiheadAttention(eqx.Module):
     """`eqx.nn.MultiheadAttention` with its heads split over `comm`.
 
-    Same call signature and results as `eqx.nn.MultiheadAttention`: replicated
-    `(q_seq, query_size)`, `(kv_seq, key_size)`, `(kv_seq, value_size)` ->
-    replicated `(q_seq, output_size)`. Each rank holds `num_heads / size` heads: the
-    query/key/value projections are column-parallel (inputs marked `use_replicated`),
-    the output projection row-parallel (one `sum_replicated`).
-    Transpose: one allreduce per projection input backward, none for the output.
+    Same call and results as `eqx.nn.MultiheadAttention` (2-D and per-head 3-D masks,
+    dropout with the same keys, `process_heads`): replicated `(q_seq, query_size)`,
+    `(kv_seq, key_size)`, `(kv_seq, value_size)` -> replicated `(q_seq, output_size)`.
+    Each rank holds `num_heads / size` heads: column-parallel query/key/value
+    projections, a row-parallel output projection (one `sum_replicated`).
+    Transpose: one allreduce backward per distinct input array, so self-attention
+    (`query`, `key_` and `value` the same array) has one, as Megatron-LM's fused QKV.
     """
 
-    local: eqx.nn.MultiheadAttention  # this rank's heads, with parallel projections
+    query_proj: ColumnParallelLinear
+    key_proj: ColumnParallelLinear
+    value_proj: ColumnParallelLinear
+    output_proj: RowParallelLinear
+    dropout: eqx.nn.Dropout
     num_heads: int = eqx.field(static=True)
+    query_size: int = eqx.field(static=True)
+    key_size: int = eqx.field(static=True)
+    value_size: int = eqx.field(static=True)
+    output_size: int = eqx.field(static=True)
+    qk_size: int = eqx.field(static=True)
+    vo_size: int = eqx.field(static=True)
     comm: CommRef = eqx.field(static=True)
 
     def __init__(self, num_heads: int, query_size: int, *, comm=None,
@@ -43,39 +64,80 @@ class ParallelMultiheadAttention(eqx.Module):
                                  "`from_dense`")
             dense = eqx.nn.MultiheadAttention(num_heads, query_size, key=key, **kwargs)
         self.comm = comm_ref(comm, "ParallelMultiheadAttention")
-        if dense.num_heads % self.comm.size:
-            raise ValueError(
-                f"vjpmpi.nn.ParallelMultiheadAttention: num_heads={dense.num_heads} is not "
-                f"divisible by the communicator size {self.comm.size}"
-            )
-        self.num_heads = dense.num_heads
-        local = _with_num_heads(dense, dense.num_heads // self.comm.size)
+        block(dense.num_heads, self.comm, "ParallelMultiheadAttention", "num_heads")
         c = self.comm.comm
-        self.local = eqx.tree_at(
-            lambda m: (m.query_proj, m.key_proj, m.value_proj, m.output_proj), local, (
-                ColumnParallelLinear.from_dense(dense.query_proj, c),
-                ColumnParallelLinear.from_dense(dense.key_proj, c),
-                ColumnParallelLinear.from_dense(dense.value_proj, c),
-                RowParallelLinear.from_dense(dense.output_proj, c, input_is_parallel=True),
-            ))
+        self.query_proj = ColumnParallelLinear.from_dense(dense.query_proj, c)
+        self.key_proj = ColumnParallelLinear.from_dense(dense.key_proj, c)
+        self.value_proj = ColumnParallelLinear.from_dense(dense.value_proj, c)
+        self.output_proj = RowParallelLinear.from_dense(dense.output_proj, c,
+                                                        input_is_parallel=True)
+        self.dropout = dense.dropout
+        self.num_heads, self.query_size = dense.num_heads, dense.query_size
+        self.key_size, self.value_size = dense.key_size, dense.value_size
+        self.output_size, self.qk_size, self.vo_size = dense.output_size, dense.qk_size, dense.vo_size
 
     @classmethod
     def from_dense(cls, layer: eqx.nn.MultiheadAttention, comm=None):
-        """Split the heads of a standard `eqx.nn.MultiheadAttention` (same on every rank)."""
+        """Split the heads of an `eqx.nn.MultiheadAttention` (the same on every rank)."""
         return cls(layer.num_heads, layer.query_size, comm=comm, dense=layer)
 
     def to_dense(self) -> eqx.nn.MultiheadAttention:
         """Gather the heads back into an `eqx.nn.MultiheadAttention` on every rank."""
-        m = self.local
-        dense = _with_num_heads(m, self.num_heads)
-        return eqx.tree_at(
-            lambda t: (t.query_proj, t.key_proj, t.value_proj, t.output_proj), dense,
-            (m.query_proj.to_dense(), m.key_proj.to_dense(), m.value_proj.to_dense(),
-             m.output_proj.to_dense()))
+        projs = [getattr(self, name).to_dense() for name in _PROJECTIONS]
+        dense = eqx.nn.MultiheadAttention(
+            self.num_heads, self.query_size, self.key_size, self.value_size, self.output_size,
+            self.qk_size, self.vo_size, *(p.bias is not None for p in projs),
+            dropout_p=self.dropout.p, inference=self.dropout.inference,
+            dtype=projs[0].weight.dtype, key=jax.random.PRNGKey(0))
+        return eqx.tree_at(lambda m: tuple(getattr(m, n) for n in _PROJECTIONS), dense,
+                           tuple(projs))
 
     def __call__(self, query: Float[Array, "q_seq q_size"], key_: Float[Array, "kv_seq k_size"],
-                 value: Float[Array, "kv_seq v_size"], mask=None, *, key=None, inference=None,
-                 **kwargs) -> Float[Array, "q_seq o_size"]:
-        return self.local(query, key_, value, mask, key=key, inference=inference, **kwargs)
+                 value: Float[Array, "kv_seq v_size"],
+                 mask: Bool[Array, "q_seq kv_seq"] | Bool[Array, "heads q_seq kv_seq"] | None = None,
+                 *, key: PRNGKeyArray | None = None, inference: bool | None = None,
+                 deterministic: bool | None = None, process_heads=None
+                 ) -> Float[Array, "q_seq o_size"]:
+        if deterministic is not None:
+            inference = deterministic
+        if key_.shape[0] != value.shape[0]:
+            raise ValueError("vjpmpi.nn.ParallelMultiheadAttention: key_ and value must have "
+                             "the same sequence length")
+        start, stop = block(self.num_heads, self.comm, "ParallelMultiheadAttention", "num_heads")
+        c = self.comm.comm
+        # one use_replicated per distinct input array: one backward allreduce each
+        xq = use_replicated(query, comm=c)
+        xk = xq if key_ is query else use_replicated(key_, comm=c)
+        xv = xq if value is query else xk if value is key_ else use_replicated(value, comm=c)
+        heads = stop - start
 
+        def project(proj, x):
+            return jax.vmap(proj.local)(x).reshape(x.shape[0], heads, -1)
 
+        q, k, v = project(self.query_proj, xq), project(self.key_proj, xk), project(
+            self.value_proj, xv)
+        if process_heads is not None:
+            shapes = (q.shape, k.shape, v.shape)
+            q, k, v = process_heads(q, k, v)
+            if (q.shape, k.shape, v.shape) != shapes:
+                raise ValueError("vjpmpi.nn.ParallelMultiheadAttention: process_heads must "
+                                 "not change the shape of the heads")
+        # the dense layer's per-head keys and masks, this rank's heads of them
+        keys = None if key is None else jax.random.split(key, self.num_heads)[start:stop]
+        per_head = mask is not None and mask.ndim == 3
+        want = (query.shape[0], key_.shape[0])
+        if mask is not None and tuple(mask.shape[-2:]) != want or mask is not None and mask.ndim not in (2, 3):
+            raise ValueError(
+                f"vjpmpi.nn.ParallelMultiheadAttention: mask must have shape {want} or "
+                f"({self.num_heads}, *{want}), got {mask.shape}")
+        if per_head:
+            if mask.shape[0] != self.num_heads:
+                raise ValueError(
+                    f"vjpmpi.nn.ParallelMultiheadAttention: a 3-D mask must have num_heads="
+                    f"{self.num_heads} rows, got shape {mask.shape}")
+            mask = mask[start:stop]
+        attn = jax.vmap(
+            lambda qh, kh, vh, mh, key_h: _head(qh, kh, vh, mh, self.dropout, key_h, inference),
+            in_axes=(1, 1, 1, 0 if per_head else None, None if keys is None else 0),
+            out_axes=1)(q, k, v, mask, keys)
+        return jax.vmap(self.output_proj)(attn.reshape(query.shape[0], -1))

@@ -89,10 +89,14 @@ class ColumnParallelLinear(_ShardedLinear):
         self.gather_output = gather_output
         self._shard(in_features, out_features, use_bias, key, dense, comm)
 
+    def local(self, x: Float[Array, " in"]) -> Float[Array, " out_block"]:
+        """This rank's block of the output, from an input already marked with
+        `use_replicated` (layers sharing one input mark it once: one backward allreduce)."""
+        y = self.weight @ x
+        return y if self.bias is None else y + self.bias
+
     def __call__(self, x: Float[Array, " in"], *, key=None) -> Float[Array, " out"]:
-        y = self.weight @ use_replicated(x, comm=self.comm.comm)
-        if self.bias is not None:
-            y = y + self.bias
+        y = self.local(use_replicated(x, comm=self.comm.comm))
         if not self.gather_output:
             return y
         # Place the block in a zero vector and sum over ranks: a replicated gather

@@ -1,4 +1,4 @@
-"""A tensor-parallel MLP block and the data-parallel gradient all-reduce."""
+"""A tensor-parallel MLP and the data-parallel gradient all-reduce."""
 
 from __future__ import annotations
 
@@ -14,48 +14,89 @@ from .._ops import allreduce
 from ._linear import ColumnParallelLinear, RowParallelLinear
 
 
-class ParallelMLP(eqx.Module):
-    """Column-parallel linear -> activation -> row-parallel linear (hidden units split).
+def _identity(x):
+    return x
 
+
+def _plain(fn, what: str):
+    """`fn` when it is a plain function; learnt (per-neuron) activations have arrays."""
+    if any(eqx.is_array(leaf) for leaf in jax.tree_util.tree_leaves(fn)):
+        raise ValueError(f"vjpmpi.nn.ParallelMLP: a learnt {what} (one with parameters, "
+                         "copied per neuron by eqx.nn.MLP) cannot be split; use a function")
+    return fn
+
+
+class ParallelMLP(eqx.Module):
+    """`eqx.nn.MLP` of any depth with its linear layers split in pairs over `comm`.
+
+    Layers 0-1, 2-3, ... are column-/row-parallel pairs (the hidden units of each pair
+    split); an unpaired last layer (even depth) is kept whole on every rank.
     Shape: replicated `Float[Array, "in"]` -> replicated `Float[Array, "out"]`.
-    Transpose: one allreduce forward (the row layer's sum) and one backward (the
-    column layer's input), as in Megatron-LM.
+    Transpose: per pair one allreduce forward (the row layer's sum) and one backward
+    (the column layer's input), as in Megatron-LM; the whole last layer needs none.
     """
 
-    column: ColumnParallelLinear
-    row: RowParallelLinear
+    layers: tuple
     activation: Callable = eqx.field(static=True)
+    final_activation: Callable = eqx.field(static=True)
+    in_size: int = eqx.field(static=True)
+    out_size: int = eqx.field(static=True)
+    width_size: int = eqx.field(static=True)
+    depth: int = eqx.field(static=True)
+    use_bias: bool = eqx.field(static=True)
+    use_final_bias: bool = eqx.field(static=True)
 
     def __init__(self, in_size: int, out_size: int, width_size: int,
-                 activation: Callable = jax.nn.gelu, *, comm=None,
-                 key: PRNGKeyArray | None = None, dense: eqx.nn.MLP | None = None):
+                 activation: Callable = jax.nn.gelu, *, depth: int = 1,
+                 final_activation: Callable = _identity, use_bias: bool = True,
+                 use_final_bias: bool = True, comm=None, key: PRNGKeyArray | None = None,
+                 dense: eqx.nn.MLP | None = None):
         if dense is None:
             if key is None:
                 raise ValueError("vjpmpi.nn.ParallelMLP: pass `key=` or use `from_dense`")
-            dense = eqx.nn.MLP(in_size, out_size, width_size, depth=1, activation=activation,
-                               key=key)
-        if len(dense.layers) != 2:
-            raise ValueError(
-                f"vjpmpi.nn.ParallelMLP: needs an eqx.nn.MLP of depth 1, got depth "
-                f"{len(dense.layers) - 1}"
-            )
-        self.column = ColumnParallelLinear.from_dense(dense.layers[0], comm)
-        self.row = RowParallelLinear.from_dense(dense.layers[1], comm, input_is_parallel=True)
-        self.activation = dense.activation if activation is None else activation
+            dense = eqx.nn.MLP(in_size, out_size, width_size, depth, activation=activation,
+                               final_activation=final_activation, use_bias=use_bias,
+                               use_final_bias=use_final_bias, key=key)
+        if getattr(dense, "scan", False) or "scalar" in (dense.in_size, dense.out_size):
+            raise ValueError("vjpmpi.nn.ParallelMLP: an eqx.nn.MLP built with scan=True or "
+                             "a 'scalar' input/output cannot be split; build it without")
+        self.activation = _plain(dense.activation, "activation")
+        self.final_activation = _plain(dense.final_activation, "final_activation")
+        layers, n = [], len(dense.layers)
+        for i, layer in enumerate(dense.layers):
+            if i % 2 == 0 and i + 1 < n:
+                layers.append(ColumnParallelLinear.from_dense(layer, comm))
+            elif i % 2:
+                layers.append(RowParallelLinear.from_dense(layer, comm, input_is_parallel=True))
+            else:
+                layers.append(layer)
+        self.layers = tuple(layers)
+        self.in_size, self.out_size = dense.in_size, dense.out_size
+        self.width_size, self.depth = dense.width_size, dense.depth
+        self.use_bias, self.use_final_bias = dense.use_bias, dense.use_final_bias
 
     @classmethod
     def from_dense(cls, mlp: eqx.nn.MLP, comm=None):
-        """Shard a depth-1 `eqx.nn.MLP` (same on every rank); its final activation must be identity."""
-        return cls(mlp.in_size, mlp.out_size, mlp.width_size, mlp.activation, comm=comm, dense=mlp)
+        """Shard an `eqx.nn.MLP` (the same on every rank): any depth, its activations kept."""
+        return cls(mlp.in_size, mlp.out_size, mlp.width_size, comm=comm, dense=mlp)
 
     def to_dense(self) -> eqx.nn.MLP:
-        col, row = self.column.to_dense(), self.row.to_dense()
-        mlp = eqx.nn.MLP(col.in_features, row.out_features, col.out_features, depth=1,
-                         activation=self.activation, key=jax.random.PRNGKey(0))
-        return eqx.tree_at(lambda m: m.layers, mlp, (col, row))
+        """Gather the shards into an `eqx.nn.MLP` on every rank."""
+        layers = tuple(layer if isinstance(layer, eqx.nn.Linear) else layer.to_dense()
+                       for layer in self.layers)
+        mlp = eqx.nn.MLP(self.in_size, self.out_size, self.width_size, self.depth,
+                         activation=self.activation, final_activation=self.final_activation,
+                         use_bias=self.use_bias, use_final_bias=self.use_final_bias,
+                         key=jax.random.PRNGKey(0))
+        return eqx.tree_at(lambda m: m.layers, mlp, layers)
 
     def __call__(self, x: Float[Array, " in"], *, key=None) -> Float[Array, " out"]:
-        return self.row(self.activation(self.column(x)))
+        if self.depth == 0:  # as eqx.nn.MLP: one layer, no final activation
+            return self.layers[0](x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            x = self.activation(x) if i + 1 < len(self.layers) else self.final_activation(x)
+        return x
 
 
 def allreduce_gradients(grads: PyTree, *, mean: bool = True, comm=None) -> PyTree:
