@@ -12,7 +12,6 @@ PNG. The dataset ships inside scikit-learn: nothing is downloaded.
 import vjpmpi  # first: vjpmpi sets JAX's CPU dispatch up before any array exists
 
 import argparse
-import os
 
 import equinox as eqx
 import jax
@@ -23,6 +22,7 @@ from mpi4py import MPI
 from sklearn.datasets import load_digits
 
 import vjpmpi.nn as vnn
+from plots import save_loss_curves
 
 COMM = MPI.COMM_WORLD
 HIDDEN = 96  # divisible by 1, 2, 3 and 4 ranks
@@ -108,23 +108,8 @@ def main(steps=300, batch=128, lr=3e-3, out="examples/out/train_digits.png", sho
         print(f"largest parameter difference from the single-process run: "
               f"{result['max_param_diff']:.3e}; largest loss difference: {result['max_loss_diff']:.3e}")
         if out:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
-            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-            fig, ax = plt.subplots(figsize=(6, 4))
-            ax.plot(losses, label=f"vjpmpi, {COMM.size} ranks")
-            ax.plot(ref_losses, "--", label="single process")
-            ax.set_xlabel("step")
-            ax.set_ylabel("cross-entropy")
-            ax.set_yscale("log")
-            ax.legend()
-            ax.set_title("Tensor-parallel MLP on digits")
-            fig.tight_layout()
-            fig.savefig(out, dpi=100)
-            print(f"loss curve written to {out}")
+            save_loss_curves(out, {f"vjpmpi, {COMM.size} ranks": losses, "single process": ref_losses},
+                             "Tensor-parallel MLP on digits", "cross-entropy", log=True)
     return result
 
 

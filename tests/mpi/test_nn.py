@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+import vjpmpi
 import vjpmpi.nn as vnn
 from vjpmpi import _mpi
 
@@ -82,7 +83,8 @@ def test_parallel_mlp_any_depth_equals_dense(depth, use_bias):
     close(eqx.filter_jit(layer)(x), mlp(x))
     (g, gx), (gd, gxd) = grads(layer, x), grads(mlp, x)
     close(gx, gxd)
-    for i, (mine, ref) in enumerate(zip(g.layers, gd.layers)):
+    for i, (mine, ref) in enumerate(zip(g.layers[0].layers if depth == 0 else g.layers,
+                                        gd.layers)):
         pair, last = i % 2, i + 1 == len(gd.layers)
         if last and i % 2 == 0:  # unpaired last layer: whole on every rank
             close(mine.weight, ref.weight)
@@ -257,6 +259,25 @@ def test_parallel_multihead_attention_equals_dense(mask_kind, dropout, bias):
     for a, b in zip(*(jax.tree_util.tree_leaves(eqx.filter(m, eqx.is_array)) for m in (back, dense))):
         close(a, b)
     close(call(back, q), call(dense, q))
+    if dropout and mask_kind == "per-head":  # 10 Adam steps, a new dropout key each
+        def train(m):
+            opt = optax.adam(1e-2)
+            state = opt.init(eqx.filter(m, eqx.is_inexact_array))
+
+            @eqx.filter_jit
+            def step(m, s, k):
+                g = eqx.filter_grad(lambda mm: jnp.mean(jnp.sin(mm(q, kv, kv, mask, key=k))))(m)
+                u, s = opt.update(g, s, m)
+                return eqx.apply_updates(m, u), s
+
+            for i in range(10):
+                m, state = step(m, state, jax.random.PRNGKey(100 + i))
+            return m
+
+        trained, ref = train(layer).to_dense(), train(dense)
+        for a, b in zip(*(jax.tree_util.tree_leaves(eqx.filter(m, eqx.is_inexact_array))
+                          for m in (trained, ref))):
+            close(a, b, 1e-10)
 
 
 def test_attention_bad_masks_are_clear_errors():
@@ -343,3 +364,84 @@ def test_layers_under_filter_vmap():
                                            input_is_parallel=False)
     ys = jax.random.normal(jax.random.PRNGKey(18), (7, F))
     close(eqx.filter_jit(eqx.filter_vmap(row))(ys), jax.vmap(row.to_dense())(ys))
+
+
+# ------------------------------------------------------ sequence parallelism --
+def replicated(module):
+    """`module` with its arrays marked as replicated values used on this rank's block
+    (their gradients sum over the ranks): LayerNorm in a sequence-parallel region."""
+    return jax.tree_util.tree_map(
+        lambda a: vjpmpi.use_replicated(a) if eqx.is_inexact_array(a) else a, module)
+
+
+class SequenceParallelBlock(Block):
+    """Block on this rank's block of the sequence (Megatron-LM's sequence parallelism)."""
+
+    def __call__(self, x, mask=None):
+        h = jax.vmap(replicated(self.norm1))(x)
+        x = x + self.attn.sequence_parallel(h, mask)
+        return x + self.mlp.sequence_parallel(jax.vmap(replicated(self.norm2))(x))
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_sequence_parallel_block_equals_the_block(depth):
+    k = jax.random.split(jax.random.PRNGKey(31), 3)
+    d, seq, heads = 8, 12, 3 if size == 3 else 4  # seq divisible by 1-4 ranks
+    dense = Block(eqx.nn.LayerNorm(d), eqx.nn.MultiheadAttention(heads, d, use_output_bias=True,
+                                                                  key=k[0]),
+                  eqx.nn.LayerNorm(d), eqx.nn.MLP(d, d, F, depth=depth, key=k[1]))
+    tp = Block(dense.norm1, vnn.ParallelMultiheadAttention.from_dense(dense.attn), dense.norm2,
+               vnn.ParallelMLP.from_dense(dense.mlp))
+    sp = SequenceParallelBlock(tp.norm1, tp.attn, tp.norm2, tp.mlp)
+    x = jax.random.normal(k[2], (seq, d))
+    target = jnp.cos(3 * x)
+    mask = jnp.tril(jnp.ones((seq, seq), bool))
+    blk = lambda a: shard_rows(a)  # noqa: E731  (this rank's block of the sequence)
+
+    class Causal(eqx.Module):  # the dense and tensor-parallel blocks with the mask
+        inner: Block
+
+        def __call__(self, v):
+            h = jax.vmap(self.inner.norm1)(v)
+            v = v + self.inner.attn(h, h, h, mask)
+            return v + jax.vmap(self.inner.mlp)(jax.vmap(self.inner.norm2)(v))
+
+    close(eqx.filter_jit(lambda m, v: m(v, mask))(sp, blk(x)), blk(Causal(dense)(x)))
+
+    def loss_sp(m):  # the global mean squared error, one replicated value
+        local = jnp.sum((m(blk(x), mask) - blk(target)) ** 2)
+        return vjpmpi.sum_replicated(local) / target.size
+
+    def loss_full(m):
+        return jnp.mean((Causal(m)(x) - target) ** 2)
+
+    g_sp = eqx.filter_jit(eqx.filter_grad(loss_sp))(sp)
+    g_tp = eqx.filter_jit(eqx.filter_grad(loss_full))(tp)
+    for a, b in zip(*(jax.tree_util.tree_leaves(eqx.filter(g, eqx.is_inexact_array))
+                      for g in (g_sp, g_tp))):
+        close(a, b)
+    # the tensor-parallel layers' collectives become allgathers and reduce_scatters
+    params, static = eqx.partition(sp, eqx.is_inexact_array)
+    text = jax.jit(jax.grad(lambda p: loss_sp(eqx.combine(p, static)))).lower(params).as_text()
+    pairs = 1 + (len(dense.mlp.layers) // 2)
+    assert text.count("vjpmpi_allgather") == text.count("vjpmpi_reduce_scatter") == 2 * pairs
+
+    # 10 Adam steps, against the dense block trained on one process
+    def run(model, loss):
+        opt = optax.adam(1e-2)
+        state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+
+        @eqx.filter_jit
+        def step(m, s):
+            u, s = opt.update(eqx.filter_grad(loss)(m), s, m)
+            return eqx.apply_updates(m, u), s
+
+        for _ in range(10):
+            model, state = step(model, state)
+        return model
+
+    trained, ref = run(sp, loss_sp), run(dense, loss_full)
+    gathered = Block(trained.norm1, trained.attn.to_dense(), trained.norm2, trained.mlp.to_dense())
+    for a, b in zip(*(jax.tree_util.tree_leaves(eqx.filter(m, eqx.is_inexact_array))
+                      for m in (gathered, ref))):
+        close(a, b, 1e-9)

@@ -9,3 +9,6 @@ from ._mlp import allreduce_gradients as allreduce_gradients
 from ._halo import HaloConv as HaloConv
 from ._halo import HaloExchange as HaloExchange
 from ._loss import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
+from ._optim import sharded_optimizer as sharded_optimizer
+from ._sequence import gather_sequence as gather_sequence
+from ._sequence import scatter_sequence_sum as scatter_sequence_sum

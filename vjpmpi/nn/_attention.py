@@ -12,6 +12,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 from .._mpi import CommRef
 from .._ops import use_replicated
 from ._linear import ColumnParallelLinear, RowParallelLinear
+from ._sequence import gather_sequence, scatter_sequence_sum
 from ._shard import block, comm_ref
 
 _PROJECTIONS = ("query_proj", "key_proj", "value_proj", "output_proj")
@@ -100,15 +101,39 @@ class ParallelMultiheadAttention(eqx.Module):
                  ) -> Float[Array, "q_seq o_size"]:
         if deterministic is not None:
             inference = deterministic
-        if key_.shape[0] != value.shape[0]:
-            raise ValueError("vjpmpi.nn.ParallelMultiheadAttention: key_ and value must have "
-                             "the same sequence length")
-        start, stop = block(self.num_heads, self.comm, "ParallelMultiheadAttention", "num_heads")
         c = self.comm.comm
         # one use_replicated per distinct input array: one backward allreduce each
         xq = use_replicated(query, comm=c)
         xk = xq if key_ is query else use_replicated(key_, comm=c)
         xv = xq if value is query else xk if value is key_ else use_replicated(value, comm=c)
+        attn = self._attend(xq, xk, xv, mask, key, inference, process_heads)
+        return jax.vmap(self.output_proj)(attn)
+
+    def sequence_parallel(self, x: Float[Array, "seq_block q_size"],
+                          mask: Bool[Array, "seq seq"] | Bool[Array, "heads seq seq"] | None = None,
+                          *, key: PRNGKeyArray | None = None, inference: bool | None = None,
+                          process_heads=None) -> Float[Array, "seq_block o_size"]:
+        """Self-attention on a sequence split over the ranks (Megatron-LM's sequence
+        parallelism): the blocks are allgathered before the projections and the output
+        projection's terms reduce-scattered, instead of allreduced. Equal to this rank's
+        block of `self(full, full, full, mask, key=key)`.
+
+        Shape: `(seq / size, query_size)` -> `(seq / size, output_size)`.
+        Transpose: the allgather reduce-scatters backward, the reduce_scatter allgathers.
+        """
+        full = gather_sequence(x, self.comm.comm)
+        attn = self._attend(full, full, full, mask, key, inference, process_heads)
+        out = scatter_sequence_sum(jax.vmap(self.output_proj.partial)(attn), self.comm.comm)
+        bias = self.output_proj.bias  # replicated, added to every block: its gradient sums
+        return out if bias is None else out + use_replicated(bias, comm=self.comm.comm)
+
+    def _attend(self, xq, xk, xv, mask, key, inference, process_heads):
+        """This rank's heads' attention, `(q_seq, heads / size * vo_size)`, from inputs
+        the column-parallel projections take as they are."""
+        if xk.shape[0] != xv.shape[0]:
+            raise ValueError("vjpmpi.nn.ParallelMultiheadAttention: key_ and value must have "
+                             "the same sequence length")
+        start, stop = block(self.num_heads, self.comm, "ParallelMultiheadAttention", "num_heads")
         heads = stop - start
 
         def project(proj, x):
@@ -125,8 +150,8 @@ class ParallelMultiheadAttention(eqx.Module):
         # the dense layer's per-head keys and masks, this rank's heads of them
         keys = None if key is None else jax.random.split(key, self.num_heads)[start:stop]
         per_head = mask is not None and mask.ndim == 3
-        want = (query.shape[0], key_.shape[0])
-        if mask is not None and tuple(mask.shape[-2:]) != want or mask is not None and mask.ndim not in (2, 3):
+        want = (xq.shape[0], xk.shape[0])
+        if mask is not None and (mask.ndim not in (2, 3) or tuple(mask.shape[-2:]) != want):
             raise ValueError(
                 f"vjpmpi.nn.ParallelMultiheadAttention: mask must have shape {want} or "
                 f"({self.num_heads}, *{want}), got {mask.shape}")
@@ -140,4 +165,4 @@ class ParallelMultiheadAttention(eqx.Module):
             lambda qh, kh, vh, mh, key_h: _head(qh, kh, vh, mh, self.dropout, key_h, inference),
             in_axes=(1, 1, 1, 0 if per_head else None, None if keys is None else 0),
             out_axes=1)(q, k, v, mask, keys)
-        return jax.vmap(self.output_proj)(attn.reshape(query.shape[0], -1))
+        return attn.reshape(xq.shape[0], -1)

@@ -124,6 +124,11 @@ class RowParallelLinear(_ShardedLinear):
         self._shard(in_features, out_features, use_bias, key, dense, comm)
         self.input_is_parallel = input_is_parallel
 
+    def partial(self, x: Float[Array, " in_block"]) -> Float[Array, " out"]:
+        """This rank's term of the output (no sum over ranks, no bias): for a
+        sequence-parallel block, which reduce-scatters the terms instead."""
+        return self.weight @ x
+
     def __call__(self, x: Float[Array, " in"], *, key=None) -> Float[Array, " out"]:
         if not self.input_is_parallel:
             start, stop = self._block()

@@ -9,9 +9,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from .._mpi import RED_NAMES, SUM, as_comm
-from .._ops import allreduce
+from .._mpi import RED_NAMES, SUM, CommRef, as_comm
+from .._ops import allreduce, use_replicated
 from ._linear import ColumnParallelLinear, RowParallelLinear
+from ._sequence import gather_sequence, scatter_sequence_sum
+from ._shard import comm_ref
 
 
 def _identity(x):
@@ -30,7 +32,8 @@ class ParallelMLP(eqx.Module):
     """`eqx.nn.MLP` of any depth with its linear layers split in pairs over `comm`.
 
     Layers 0-1, 2-3, ... are column-/row-parallel pairs (the hidden units of each pair
-    split); an unpaired last layer (even depth) is kept whole on every rank.
+    split); an unpaired last layer (even depth) is kept whole on every rank, and a
+    depth-0 MLP (one layer) is kept as it is.
     Shape: replicated `Float[Array, "in"]` -> replicated `Float[Array, "out"]`.
     Transpose: per pair one allreduce forward (the row layer's sum) and one backward
     (the column layer's input), as in Megatron-LM; the whole last layer needs none.
@@ -45,6 +48,7 @@ class ParallelMLP(eqx.Module):
     depth: int = eqx.field(static=True)
     use_bias: bool = eqx.field(static=True)
     use_final_bias: bool = eqx.field(static=True)
+    comm: CommRef = eqx.field(static=True)
 
     def __init__(self, in_size: int, out_size: int, width_size: int,
                  activation: Callable = jax.nn.gelu, *, depth: int = 1,
@@ -62,8 +66,11 @@ class ParallelMLP(eqx.Module):
                              "a 'scalar' input/output cannot be split; build it without")
         self.activation = _plain(dense.activation, "activation")
         self.final_activation = _plain(dense.final_activation, "final_activation")
+        self.comm = comm_ref(comm, "ParallelMLP")
         layers, n = [], len(dense.layers)
-        for i, layer in enumerate(dense.layers):
+        if dense.depth == 0:  # nothing to split: the MLP itself, whole on every rank
+            layers, n = [dense], 0
+        for i, layer in enumerate(dense.layers[:n]):
             if i % 2 == 0 and i + 1 < n:
                 layers.append(ColumnParallelLinear.from_dense(layer, comm))
             elif i % 2:
@@ -82,6 +89,8 @@ class ParallelMLP(eqx.Module):
 
     def to_dense(self) -> eqx.nn.MLP:
         """Gather the shards into an `eqx.nn.MLP` on every rank."""
+        if self.depth == 0:
+            return self.layers[0]
         layers = tuple(layer if isinstance(layer, eqx.nn.Linear) else layer.to_dense()
                        for layer in self.layers)
         mlp = eqx.nn.MLP(self.in_size, self.out_size, self.width_size, self.depth,
@@ -91,11 +100,44 @@ class ParallelMLP(eqx.Module):
         return eqx.tree_at(lambda m: m.layers, mlp, layers)
 
     def __call__(self, x: Float[Array, " in"], *, key=None) -> Float[Array, " out"]:
-        if self.depth == 0:  # as eqx.nn.MLP: one layer, no final activation
+        if self.depth == 0:  # the eqx.nn.MLP itself
             return self.layers[0](x)
         for i, layer in enumerate(self.layers):
             x = layer(x)
             x = self.activation(x) if i + 1 < len(self.layers) else self.final_activation(x)
+        return x
+
+
+    def sequence_parallel(self, x: Float[Array, "seq_block in"]) -> Float[Array, "seq_block out"]:
+        """The MLP on a sequence split over the ranks (Megatron-LM's sequence
+        parallelism): each column/row pair allgathers the sequence before its column
+        layer and reduce-scatters its row layer's terms, instead of an allreduce; an
+        unpaired last layer runs on the block. Equal to this rank's block of
+        `jax.vmap(self)(full)`.
+
+        Shape: `(seq / size, in)` -> `(seq / size, out)`.
+        Transpose: the allgathers reduce-scatter backward, the reduce_scatters allgather.
+        """
+        act = lambda i, h: self.activation(h) if i + 1 < len(self.layers) else self.final_activation(h)  # noqa: E731
+        comm = self.comm.comm
+        whole = lambda m: jax.tree_util.tree_map(  # noqa: E731  (gradients sum over ranks)
+            lambda a: use_replicated(a, comm=comm) if eqx.is_inexact_array(a) else a, m)
+        if self.depth == 0:
+            return jax.vmap(whole(self.layers[0]))(x)
+        i = 0
+        while i < len(self.layers):
+            layer = self.layers[i]
+            if isinstance(layer, ColumnParallelLinear):
+                row = self.layers[i + 1]
+                h = act(i, jax.vmap(layer.local)(gather_sequence(x, comm)))
+                x = scatter_sequence_sum(jax.vmap(row.partial)(h), comm)
+                # the replicated bias meets every block: its gradient sums over ranks
+                x = x if row.bias is None else x + use_replicated(row.bias, comm=comm)
+                x = act(i + 1, x)
+                i += 2
+            else:  # the unpaired last layer, whole on every rank, on the block
+                x = act(i, jax.vmap(whole(layer))(x))
+                i += 1
         return x
 
 

@@ -1,0 +1,20 @@
+"""Smoke test of the language-model example: tensor x data parallel equals one process."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import pytest  # noqa: E402
+import train_lm  # noqa: E402
+
+
+def test_train_lm_matches_single_process():
+    size = train_lm.COMM.size
+    if size not in (2, 4):  # (1 and 3 ranks: data parallelism alone, as in other tests)
+        pytest.skip("the LM example's smoke test runs on 2-D grids: 2 and 4 ranks")
+    result = train_lm.main(steps=25, out=None, show=False)
+    assert (result["tp"], result["dp"]) == ((2, size // 2) if size % 2 == 0 else (1, size))
+    assert result["final_loss"] < result["first_loss"] - 0.5  # it learns
+    assert result["max_loss_diff"] < 1e-4  # float32, 25 Adam steps
+    assert abs(result["final_loss"] - result["reference_final_loss"]) < 1e-4

@@ -1,0 +1,108 @@
+"""vjpmpi.nn.sharded_optimizer (ZeRO 1/2): step for step equal to plain data
+parallelism (allreduce_gradients + the same optax optimizer), with 1/size of the
+optimizer state per rank."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import vjpmpi.nn as vnn
+
+from helpers import WORLD, rng
+
+rank, size = WORLD.rank, WORLD.size
+
+
+def model_and_data():
+    """A float64 MLP and a float32 vector (two dtype groups, sizes the rank counts do not
+    divide) and this rank's own batch."""
+    mlp = eqx.nn.MLP(5, 2, 7, depth=2, key=jax.random.PRNGKey(0))
+    params = {"mlp": eqx.filter(mlp, eqx.is_inexact_array),
+              "scale": jnp.linspace(0.5, 1.5, 3, dtype=jnp.float32)}
+    static = eqx.filter(mlp, eqx.is_inexact_array, inverse=True)
+    gen = rng(40)
+    x, y = jnp.asarray(gen.standard_normal((6, 5))), jnp.asarray(gen.standard_normal((6, 2)))
+
+    def loss(p):
+        out = jax.vmap(eqx.combine(p["mlp"], static))(x)
+        return jnp.mean((out - y) ** 2) + jnp.sum(p["scale"].astype(jnp.float64) ** 2 * 1e-2)
+
+    return params, loss
+
+
+def train(opt, params, loss, sync, steps=12):
+    state = opt.init(params)
+
+    @jax.jit
+    def step(p, s):
+        g = jax.grad(loss)(p)
+        u, s = opt.update(sync(g), s, p)
+        return optax.apply_updates(p, u), s
+
+    history = []
+    for _ in range(steps):
+        params, state = step(params, state)
+        history.append(params)
+    return history, state
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda: optax.sgd(0.05, momentum=0.9),
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),  # uses the parameters
+    "rmsprop": lambda: optax.rmsprop(1e-2),
+    "chain": lambda: optax.chain(optax.scale_by_adam(), optax.scale(-1e-2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_sharded_optimizer_equals_data_parallel_step_for_step(name):
+    params, loss = model_and_data()
+    plain, _ = train(OPTIMIZERS[name](), params, loss, vnn.allreduce_gradients)
+    sharded, _ = train(vnn.sharded_optimizer(OPTIMIZERS[name]()), params, loss, lambda g: g)
+    for k, (a, b) in enumerate(zip(plain, sharded)):
+        for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+            tol = 1e-12 if u.dtype == jnp.float64 else 2e-6
+            np.testing.assert_allclose(v, u, rtol=tol, atol=tol, err_msg=f"step {k}")
+    # every rank holds the same parameters
+    last = np.concatenate([np.ravel(leaf) for leaf in jax.tree_util.tree_leaves(sharded[-1])])
+    assert all(np.array_equal(last, other) for other in WORLD.allgather(last))
+
+
+def test_sum_instead_of_mean():
+    params, loss = model_and_data()
+    plain, _ = train(optax.sgd(0.01), params, loss,
+                     lambda g: vnn.allreduce_gradients(g, mean=False), steps=3)
+    sharded, _ = train(vnn.sharded_optimizer(optax.sgd(0.01), mean=False), params, loss,
+                       lambda g: g, steps=3)
+    for u, v in zip(jax.tree_util.tree_leaves(plain[-1]), jax.tree_util.tree_leaves(sharded[-1])):
+        np.testing.assert_allclose(v, u, rtol=1e-6 if u.dtype == jnp.float32 else 1e-12)
+
+
+def nbytes(tree):
+    return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree) if eqx.is_array(leaf))
+
+
+def test_state_per_rank_is_one_over_size():
+    params, loss = model_and_data()
+    plain = optax.adam(1e-2).init(params)
+    sharded = vnn.sharded_optimizer(optax.adam(1e-2)).init(params)
+    n = {dt: sum(leaf.size for leaf in jax.tree_util.tree_leaves(params) if leaf.dtype == dt)
+         for dt in (jnp.float64, jnp.float32)}
+    # adam keeps two moments per element: each rank one block (n / size rounded up)
+    blocks = sum(2 * -(-count // size) * jnp.dtype(dt).itemsize for dt, count in n.items())
+    counter = nbytes(plain) - sum(2 * count * jnp.dtype(dt).itemsize for dt, count in n.items())
+    assert nbytes(sharded) == blocks + counter
+    print(f"\nadam state per rank at {size} ranks: {nbytes(sharded)} bytes, unsharded "
+          f"{nbytes(plain)} ({nbytes(sharded) / nbytes(plain):.3f})")
+
+
+def test_non_elementwise_optimizers_are_refused():
+    with pytest.raises(ValueError, match=r"sharded_optimizer: the optimizer does not act "
+                                         r"element-wise"):
+        vnn.sharded_optimizer(optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2)))
+    with pytest.raises(ValueError, match=r"sharded_optimizer: the optimizer does not act"):
+        vnn.sharded_optimizer(optax.lamb(1e-2))  # per-leaf trust ratios
