@@ -367,20 +367,13 @@ def test_layers_under_filter_vmap():
 
 
 # ------------------------------------------------------ sequence parallelism --
-def replicated(module):
-    """`module` with its arrays marked as replicated values used on this rank's block
-    (their gradients sum over the ranks): LayerNorm in a sequence-parallel region."""
-    return jax.tree_util.tree_map(
-        lambda a: vjpmpi.use_replicated(a) if eqx.is_inexact_array(a) else a, module)
-
-
 class SequenceParallelBlock(Block):
     """Block on this rank's block of the sequence (Megatron-LM's sequence parallelism)."""
 
     def __call__(self, x, mask=None):
-        h = jax.vmap(replicated(self.norm1))(x)
+        h = jax.vmap(vnn.replicated(self.norm1))(x)
         x = x + self.attn.sequence_parallel(h, mask)
-        return x + self.mlp.sequence_parallel(jax.vmap(replicated(self.norm2))(x))
+        return x + self.mlp.sequence_parallel(jax.vmap(vnn.replicated(self.norm2))(x))
 
 
 @pytest.mark.parametrize("depth", [1, 2])

@@ -12,3 +12,4 @@ from ._loss import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from ._optim import sharded_optimizer as sharded_optimizer
 from ._sequence import gather_sequence as gather_sequence
 from ._sequence import scatter_sequence_sum as scatter_sequence_sum
+from ._sequence import replicated as replicated

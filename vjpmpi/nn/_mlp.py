@@ -12,8 +12,8 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 from .._mpi import RED_NAMES, SUM, CommRef, as_comm
 from .._ops import allreduce, use_replicated
 from ._linear import ColumnParallelLinear, RowParallelLinear
-from ._sequence import gather_sequence, scatter_sequence_sum
-from ._shard import comm_ref
+from ._sequence import gather_sequence, replicated, scatter_sequence_sum
+from ._shard import comm_ref, concat, dtype_groups, split_into
 
 
 def _identity(x):
@@ -103,10 +103,12 @@ class ParallelMLP(eqx.Module):
         if self.depth == 0:  # the eqx.nn.MLP itself
             return self.layers[0](x)
         for i, layer in enumerate(self.layers):
-            x = layer(x)
-            x = self.activation(x) if i + 1 < len(self.layers) else self.final_activation(x)
+            x = self._activate(i, layer(x))
         return x
 
+    def _activate(self, i: int, x):
+        """What follows layer `i`: the activation, or the final one after the last."""
+        return self.activation(x) if i + 1 < len(self.layers) else self.final_activation(x)
 
     def sequence_parallel(self, x: Float[Array, "seq_block in"]) -> Float[Array, "seq_block out"]:
         """The MLP on a sequence split over the ranks (Megatron-LM's sequence
@@ -118,12 +120,9 @@ class ParallelMLP(eqx.Module):
         Shape: `(seq / size, in)` -> `(seq / size, out)`.
         Transpose: the allgathers reduce-scatter backward, the reduce_scatters allgather.
         """
-        act = lambda i, h: self.activation(h) if i + 1 < len(self.layers) else self.final_activation(h)  # noqa: E731
-        comm = self.comm.comm
-        whole = lambda m: jax.tree_util.tree_map(  # noqa: E731  (gradients sum over ranks)
-            lambda a: use_replicated(a, comm=comm) if eqx.is_inexact_array(a) else a, m)
+        act, comm = self._activate, self.comm.comm
         if self.depth == 0:
-            return jax.vmap(whole(self.layers[0]))(x)
+            return jax.vmap(replicated(self.layers[0], comm))(x)
         i = 0
         while i < len(self.layers):
             layer = self.layers[i]
@@ -136,7 +135,7 @@ class ParallelMLP(eqx.Module):
                 x = act(i + 1, x)
                 i += 2
             else:  # the unpaired last layer, whole on every rank, on the block
-                x = act(i, jax.vmap(whole(layer))(x))
+                x = act(i, jax.vmap(replicated(layer, comm))(x))
                 i += 1
         return x
 
@@ -150,20 +149,9 @@ def allreduce_gradients(grads: PyTree, *, mean: bool = True, comm=None) -> PyTre
     Transpose: allreduce(SUM) (scaled by 1/size for the mean).
     """
     ref = as_comm(comm, "nn.allreduce_gradients")
-    leaves, treedef = jax.tree_util.tree_flatten(grads)
-    groups: dict = {}
-    for i, leaf in enumerate(leaves):
-        if eqx.is_inexact_array(leaf):
-            groups.setdefault(jnp.result_type(leaf), []).append(i)
+    leaves, treedef, groups = dtype_groups(grads)
     out = list(leaves)
-    for dtype, idx in groups.items():
-        flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in idx])
-        total = allreduce(flat, RED_NAMES[SUM], comm=ref.comm)
-        if mean:
-            total = total / ref.size
-        offset = 0
-        for i in idx:
-            n = leaves[i].size
-            out[i] = total[offset:offset + n].reshape(leaves[i].shape).astype(dtype)
-            offset += n
+    for idx in groups.values():
+        total = allreduce(concat(leaves, idx), RED_NAMES[SUM], comm=ref.comm)
+        split_into(out, leaves, idx, total / ref.size if mean else total)
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -2,32 +2,20 @@
 
 from __future__ import annotations
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .._mpi import RED_NAMES, SUM
 from .._ops import allgather, reduce_scatter
-from ._shard import comm_ref
+from ._shard import comm_ref, concat, dtype_groups, split_into
 
 
-def _groups(tree):
-    """Positions of the inexact-array leaves of `tree`, grouped by dtype name."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    groups: dict[str, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        if eqx.is_inexact_array(leaf):
-            groups.setdefault(jnp.result_type(leaf).name, []).append(i)
-    return leaves, treedef, groups
-
-
-def _flat(leaves, idx, size):
+def _blocks(leaves, idx, size):
     """The leaves at `idx` in one vector, zero-padded to a multiple of `size`, as
     `(size, block)`: row r is rank r's shard."""
-    flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in idx])
-    pad = -flat.size % size
-    return jnp.pad(flat, (0, pad)).reshape(size, -1)
+    flat = concat(leaves, idx)
+    return jnp.pad(flat, (0, -flat.size % size)).reshape(size, -1)
 
 
 def _check_elementwise(inner):
@@ -80,27 +68,22 @@ def sharded_optimizer(inner, *, mean: bool = True, comm=None):
     _check_elementwise(inner)
 
     def shards(tree):
-        leaves, _, groups = _groups(tree)
-        return {name: _flat(leaves, idx, ref.size)[ref.rank] for name, idx in groups.items()}
+        leaves, _, groups = dtype_groups(tree)
+        return {name: _blocks(leaves, idx, ref.size)[ref.rank] for name, idx in groups.items()}
 
     def init(params):
         return inner.init(shards(params))
 
     def update(grads, state, params=None):
-        leaves, treedef, groups = _groups(grads)
+        leaves, treedef, groups = dtype_groups(grads)
         summed = {}
         for name, idx in groups.items():
-            block = reduce_scatter(_flat(leaves, idx, ref.size), RED_NAMES[SUM], comm=ref.comm)
+            block = reduce_scatter(_blocks(leaves, idx, ref.size), RED_NAMES[SUM], comm=ref.comm)
             summed[name] = block / ref.size if mean else block
         updates, state = inner.update(summed, state, None if params is None else shards(params))
         out = list(leaves)
         for name, idx in groups.items():
-            flat = allgather(updates[name], comm=ref.comm).reshape(-1)
-            offset = 0
-            for i in idx:
-                n = leaves[i].size
-                out[i] = flat[offset:offset + n].reshape(leaves[i].shape)
-                offset += n
+            split_into(out, leaves, idx, allgather(updates[name], comm=ref.comm).reshape(-1))
         return jax.tree_util.tree_unflatten(treedef, out), state
 
     return optax.GradientTransformation(init, update)

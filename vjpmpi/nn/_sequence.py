@@ -3,10 +3,12 @@ the tensor-parallel layers are split along the sequence."""
 
 from __future__ import annotations
 
+import equinox as eqx
+import jax
 from jaxtyping import Array, Float
 
 from .._mpi import RED_NAMES, SUM
-from .._ops import allgather, reduce_scatter
+from .._ops import allgather, reduce_scatter, use_replicated
 from ._shard import comm_ref
 
 
@@ -33,3 +35,16 @@ def scatter_sequence_sum(x: Float[Array, "seq ..."], comm=None) -> Float[Array, 
             f"vjpmpi.nn.scatter_sequence_sum: a sequence of length {x.shape[0]} is not "
             f"divisible by the communicator size {ref.size}")
     return reduce_scatter(x.reshape(ref.size, -1, *x.shape[1:]), RED_NAMES[SUM], comm=ref.comm)
+
+
+def replicated(module, comm=None):
+    """`module` with every inexact array marked by `use_replicated`: replicated
+    parameters that each rank applies to its own block (LayerNorm in a
+    sequence-parallel region), so that their gradients sum over the ranks.
+
+    Shape: the module, unchanged (the identity forward).
+    Transpose: allreduce(SUM) of each array's cotangent.
+    """
+    ref = comm_ref(comm, "replicated")
+    return jax.tree_util.tree_map(
+        lambda a: use_replicated(a, comm=ref.comm) if eqx.is_inexact_array(a) else a, module)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 
 from .._mpi import CommRef, as_comm
@@ -27,3 +29,28 @@ def gather_blocks(x, ref: CommRef, axis: int):
     """Concatenate every rank's `x` along `axis` (eager helper for to_dense)."""
     stacked = allgather(x, comm=ref.comm)
     return jnp.concatenate(list(stacked), axis=axis)
+
+
+def dtype_groups(tree):
+    """(leaves, treedef, {dtype name: positions of the inexact-array leaves})."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    groups: dict[str, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if eqx.is_inexact_array(leaf):
+            groups.setdefault(jnp.result_type(leaf).name, []).append(i)
+    return leaves, treedef, groups
+
+
+def concat(leaves, idx):
+    """The leaves at `idx`, flattened into one vector."""
+    return jnp.concatenate([jnp.ravel(leaves[i]) for i in idx])
+
+
+def split_into(out: list, leaves, idx, flat) -> None:
+    """Cut `flat` (laid out as `concat(leaves, idx)`, maybe padded) back into `out[i]`,
+    shaped and typed like `leaves[i]`."""
+    offset = 0
+    for i in idx:
+        n = leaves[i].size
+        out[i] = flat[offset:offset + n].reshape(leaves[i].shape).astype(leaves[i].dtype)
+        offset += n
