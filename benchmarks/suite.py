@@ -397,6 +397,66 @@ def nonlinear_part(quick):
     return {"ranks": SIZE, "rows": rows}
 
 
+def fft_part(quick):
+    """3-D complex FFT of a global N^3 complex128 array: vjpmpi.fft.fftn (jit(f) and
+    jit(value_and_grad) of sum |fftn|^2) and mpi4py-fft's PFFT (FFTW, the same process
+    grid and output layout) when it is installed, timed in turn within each repetition,
+    for slab and pencil decompositions; on one rank also jnp.fft.fftn of the array."""
+    import jax
+    import jax.numpy as jnp
+    import vjpmpi
+
+    sizes = {16: 3} if quick else {128: 25, 256: 9}  # size: repetitions
+    try:
+        from mpi4py_fft import PFFT
+        why = None
+    except ImportError as e:
+        PFFT, why = None, f"mpi4py-fft not installed ({e})"
+    rows = []
+    for n, reps in sizes.items():
+        shape = (n, n, n)
+        if SIZE == 1:
+            g = jnp.asarray(np.random.default_rng(0).standard_normal(shape) + 0j)
+            h = jax.jit(jnp.fft.fftn)
+            jax_block(h(g))
+            t = interleaved({"jnp": lambda: jax_block(h(g))}, reps)
+            rows.append({"n": n, "kind": "jnp.fft.fftn", "single_jnp": t["jnp"]})
+            del g
+        for kind in ("slab", "pencil"):
+            grid = vjpmpi.ProcessGrid.create(1 if kind == "slab" else 2, COMM)
+            block = grid.block(shape)
+            gen = np.random.default_rng(RANK)
+            local = tuple(s.stop - s.start for s in block)
+            x = jnp.asarray(gen.standard_normal(local) + 1j * gen.standard_normal(local))
+            f = jax.jit(lambda v: vjpmpi.fft.fftn(v, grid))
+            loss = lambda v: vjpmpi.sum_replicated(  # noqa: E731
+                jnp.sum(jnp.abs(vjpmpi.fft.fftn(v, grid)) ** 2), comm=grid.cart)
+            vg = jax.jit(jax.value_and_grad(loss))
+            jax_block(f(x))
+            jax_block(vg(x))
+            cases = {"fwd": lambda: jax_block(f(x)), "vg": lambda: jax_block(vg(x))}
+            plan = None
+            if PFFT is not None:
+                # mpi4py-fft splits its input's first axes over `grid` (trailing 1s: whole)
+                # and returns the spectral layout, as vjpmpi does
+                plan = PFFT(COMM, shape, dtype=np.complex128,
+                            grid=list(grid.dims) + [1] * (3 - grid.ndim))
+                u = np.asarray(x)
+                assert plan.forward.input_array.shape == u.shape, (
+                    plan.forward.input_array.shape, u.shape)
+                out = np.empty(plan.forward.output_array.shape, np.complex128)
+                plan.forward(u, out)
+                cases["mpi4py_fft"] = lambda: plan.forward(u, out)
+            t = interleaved(cases, reps)
+            rows.append({"n": n, "kind": kind, "dims": list(grid.dims), "fwd": t["fwd"],
+                         "vg": t["vg"], "mpi4py_fft": t.get("mpi4py_fft")})
+            if plan is not None:
+                plan.destroy()
+            del x
+            grid.free()
+    return {"ranks": SIZE, "rows": rows, "mpi4py_fft_why": why}
+
+
 def _peak_rss_mib():
     with open("/proc/self/status") as fh:
         return next(int(ln.split()[1]) for ln in fh if ln.startswith("VmHWM")) / 1024
@@ -581,12 +641,13 @@ def gloo_part(quick):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", choices=("main", "gloo", "check", "gpu", "net", "nonlinear",
-                                           "memory"), default="main")
+                                           "memory", "fft"), default="main")
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     part = {"main": main_part, "gloo": gloo_part, "check": check_part, "gpu": gpu_part,
-            "net": net_part, "nonlinear": nonlinear_part, "memory": memory_part}[args.part]
+            "net": net_part, "nonlinear": nonlinear_part, "memory": memory_part,
+            "fft": fft_part}[args.part]
     result = part(args.quick)
     if RANK == 0:
         with open(args.json, "w") as fh:

@@ -40,38 +40,14 @@ QUICK = dict(n=48, steps=100, iters=12)
 
 
 # ------------------------------------------------------------------ the grid --
-class Decomposition:
-    """A periodic N x N grid split into equal blocks over a 2-D Cartesian communicator."""
-
-    def __init__(self, n: int, comm=MPI.COMM_WORLD):
-        dims = MPI.Compute_dims(comm.size, 2)
-        if n % dims[0] or n % dims[1]:
-            raise ValueError(f"grid size {n} is not divisible by the process grid {dims}")
-        self.n = n
-        self.dims = dims
-        self.cart = comm.Create_cart(dims, periods=[True, True])
-        self.block = (n // dims[0], n // dims[1])
-
-    def local_slice(self, rank: int | None = None):
-        """The (rows, cols) slice of the global grid owned by `rank` (default: this rank)."""
-        rank = self.cart.rank if rank is None else rank
-        (i, j), (bx, by) = self.cart.Get_coords(rank), self.block
-        return slice(i * bx, (i + 1) * bx), slice(j * by, (j + 1) * by)
-
-    def local_block(self, global_field):
-        """This rank's block of a global field that every rank holds."""
-        return jnp.asarray(global_field[self.local_slice()])
-
-    def gather(self, local_field) -> np.ndarray:
-        """The global field assembled from every rank's block (on every rank)."""
-        blocks = self.cart.allgather(np.asarray(local_field))
-        out = np.empty((self.n, self.n), blocks[0].dtype)
-        for rank, block in enumerate(blocks):
-            out[self.local_slice(rank)] = block
-        return out
-
-    def free(self):
-        self.cart.Free()
+def decomposition(n: int, comm=MPI.COMM_WORLD) -> vjpmpi.ProcessGrid:
+    """A periodic n x n grid split into equal blocks over a 2-D process grid
+    (`vjpmpi.ProcessGrid`: `.cart` for the halo layer, `.local` / `.gather` for blocks)."""
+    grid = vjpmpi.ProcessGrid.create(2, comm, periodic=True)
+    if n % grid.dims[0] or n % grid.dims[1]:
+        grid.free()
+        raise ValueError(f"grid size {n} is not divisible by the process grid {grid.dims}")
+    return grid
 
 
 # -------------------------------------------------------- distributed solver --
@@ -188,7 +164,7 @@ def main(quick: bool = False, out: str | None = str(DEFAULT_OUT)) -> dict:
     """
     config = QUICK if quick else FULL
     n, steps, iters = config["n"], config["steps"], config["iters"]
-    grid = Decomposition(n)
+    grid = decomposition(n)
     rank = grid.cart.rank
     start = time.perf_counter()
 
@@ -198,20 +174,20 @@ def main(quick: bool = False, out: str | None = str(DEFAULT_OUT)) -> dict:
 
     # Observation: the true initial field, diffused for `steps` steps by the distributed solver.
     truth = true_initial_field(n)
-    obs = simulate(grid.local_block(truth))
+    obs = simulate(grid.local(truth))
 
     # 1. The distributed gradient against the single-process one, at a random point.
     probe = np.random.default_rng(0).standard_normal((n, n))
-    _, grad_local = value_and_grad(grid.local_block(probe), obs)
-    grad = grid.gather(grad_local)
-    obs_global = grid.gather(obs)
+    _, grad_local = value_and_grad(grid.local(probe), obs)
+    grad = grid.gather(grad_local, (n, n))
+    obs_global = grid.gather(obs, (n, n))
     _, grad_ref = reference_value_and_grad(jnp.asarray(probe), jnp.asarray(obs_global))
     grad_ref = np.asarray(grad_ref)
     grad_rel_diff = float(np.abs(grad - grad_ref).max() / np.abs(grad_ref).max())
 
     # 2. Recover the initial field from the observation, starting from zero.
     u0, history = recover(value_and_grad, jnp.zeros_like(obs), obs, iters)
-    recovered = grid.gather(u0)
+    recovered = grid.gather(u0, (n, n))
     recovery_rel_error = float(np.linalg.norm(recovered - truth) / np.linalg.norm(truth))
     elapsed = time.perf_counter() - start
 

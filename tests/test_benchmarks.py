@@ -46,11 +46,20 @@ def test_benchmark_suite_smoke(tmp_path):
     for part in main["nonlinear"]:
         assert [r["op"] for r in part["rows"]] == ["allreduce MAX", "allreduce PROD"]
         assert all(r["fwd"] > 0 and r["vg"] > 0 and r["mpi_adj"] > 0 for r in part["rows"])
+    # vjpmpi.fft at 1, 2 and 4 ranks (mpi4py-fft where installed; jnp.fft alone at 1)
+    assert [p["ranks"] for p in main["fft"]] == [1, 2, 4], main["fft"]
+    for part in main["fft"]:
+        timed = [r for r in part["rows"] if "kind" in r and r["kind"] in ("slab", "pencil")]
+        assert [r["kind"] for r in timed] == ["slab", "pencil"], part
+        assert all(r["fwd"] > 0 and r["vg"] > 0 for r in timed), part
+        assert all(r["mpi4py_fft"] is not None for r in timed) or part["mpi4py_fft_why"]
+    assert any(r.get("single_jnp", 0) > 0 for r in main["fft"][0]["rows"])
     mem = main["memory"]
     assert mem is not None and mem["ranks"] == 8, main["memory_why"]
     assert all(r["fwd_xla"] > 0 and r["vg_xla"] > 0 for r in mem["rows"])
     text = (tmp_path / "results.md").read_text()
     assert "## Nonlinear derivatives" in text and "## Peak memory" in text
+    assert "## Distributed FFT" in text
     assert "## Network path: shared memory off" in text
     assert "## Targets:" in text and "| target | measured | met |" in text
     assert (tmp_path / "results.png").stat().st_size > 10_000

@@ -1,5 +1,5 @@
 """The API reference: `mkdocs build --strict` (warnings are errors) passes, and every
-public name of vjpmpi, vjpmpi.nn and vjpmpi.compat.mpi4jax has a docstring and an
+public name of vjpmpi, vjpmpi.nn, vjpmpi.fft and vjpmpi.compat.mpi4jax has a docstring and an
 entry in the built pages."""
 
 import json
@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # its own: importing vjpmpi initialises MPI).
 LIST_PUBLIC = """
 import json, types
-import vjpmpi, vjpmpi.nn, vjpmpi.compat.mpi4jax
+import vjpmpi, vjpmpi.nn, vjpmpi.fft, vjpmpi.compat.mpi4jax
 out = {}
-for m in (vjpmpi, vjpmpi.nn, vjpmpi.compat.mpi4jax):
+for m in (vjpmpi, vjpmpi.nn, vjpmpi.fft, vjpmpi.compat.mpi4jax):
     for n in getattr(m, "__all__", dir(m)):
         obj = getattr(m, n)
         if not n.startswith("_") and not isinstance(obj, types.ModuleType):

@@ -9,6 +9,7 @@ The platform runs of `.ci/run` select with the environment:
                       (shared memory off; `_mpirun.NETWORK_ENV`)
   VJPMPI_TEST_WIDE    "1"/"0": also run the files of WIDE at their larger rank
                       counts (default: on when VJPMPI_TEST_RANKS is not set)
+Files listed in ONLY_AT run at those rank counts only.
 
 Every rank writes a JUnit file; per test file and rank count the ranks must agree on
 every test's outcome, and the numbers of passed and skipped tests, the tests run per
@@ -48,8 +49,27 @@ NETWORK = os.environ.get("VJPMPI_TEST_NETWORK", "") not in ("", "0")
 UPDATE = os.environ.get("VJPMPI_UPDATE_COUNTS", "") not in ("", "0")
 TABLE = TESTS / "expected_counts.json"
 # Files that also run at more ranks, oversubscribed: rank-count-dependent algorithms
-# (the nonlinear derivatives' scans over ranks) at a count of ranks past 4.
-WIDE = {"mpi/test_nonlinear.py": 8}
+# (the nonlinear derivatives' scans over ranks) at a count of ranks past 4, with a
+# pytest -k selection of the tests whose work depends on the rank count (dtype
+# coverage, vmap, checkpoint and second derivatives run at 1-4 ranks).
+WIDE = {"mpi/test_nonlinear.py": (8, "not other_dtypes and not vmap_of_grad and not "
+                                     "checkpoint_and_loop and not second_order")}
+# Files that run at some of 1-4 ranks only (default: all four). The layers, the
+# examples and the mpi4jax namespace are built on collectives the core files test at
+# every count; a one-rank run of them repeats the dense layer, and the CUDA lowering
+# tests only lower (no collective runs).
+ONLY_AT = {
+    "mpi/test_nn.py": (2, 3, 4),
+    "mpi/test_nn_halo.py": (2, 3, 4),
+    "mpi/test_nn_optim.py": (2, 3, 4),
+    "mpi/test_example_digits.py": (2,),
+    "mpi/test_example_transpose.py": (2,),
+    "mpi/test_example_pde.py": (2, 4),
+    "mpi/test_example_lm.py": (2, 4),
+    "mpi/test_example_spectral.py": (2, 4),
+    "mpi/test_compat.py": (1, 2, 4),
+    "mpi/test_cuda_lowering.py": (2,),
+}
 RUN_WIDE = os.environ.get(
     "VJPMPI_TEST_WIDE", "0" if "VJPMPI_TEST_RANKS" in os.environ else "1") not in ("", "0")
 
@@ -167,20 +187,24 @@ def load_table() -> dict:
 
 @pytest.mark.parametrize("nprocs", RANKS)
 def test_suite(nprocs, tmp_path):
-    run_and_compare(nprocs, FILES, tmp_path)
+    files = [f for f in run_files(FILES) if nprocs in ONLY_AT.get(f, (nprocs,))]
+    if not files:
+        pytest.skip(f"no file of VJPMPI_TEST_FILES runs at {nprocs} ranks (ONLY_AT)")
+    run_and_compare(nprocs, files, tmp_path)
 
 
-@pytest.mark.parametrize("file,nprocs", list(WIDE.items()) if RUN_WIDE else [])
-def test_wide(file, nprocs, tmp_path):
-    run_and_compare(nprocs, [file], tmp_path)
+@pytest.mark.parametrize("file,nprocs,select", [(f, n, k) for f, (n, k) in WIDE.items()]
+                         if RUN_WIDE else [])
+def test_wide(file, nprocs, select, tmp_path):
+    run_and_compare(nprocs, [file], tmp_path, ["-k", select])
 
 
-def run_and_compare(nprocs, entries, tmp_path):
+def run_and_compare(nprocs, entries, tmp_path, extra=()):
     """Run `entries` of tests/ at `nprocs` ranks; compare what ran with the table."""
     files = run_files(entries)
     run = mpirun(
         nprocs,
-        ["-m", "pytest", *entries, "-q", "-p", "no:cacheprovider", "-x",
+        ["-m", "pytest", *entries, *extra, "-q", "-p", "no:cacheprovider", "-x",
          f"--junitxml={tmp_path}/results.rank{{rank}}.xml"],
         timeout=TIMEOUT * (2 if NETWORK else 1),
         env=network_env() if NETWORK else None,

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+import vjpmpi
 import vjpmpi.nn as vnn
 
 from helpers import WORLD
@@ -24,34 +25,24 @@ def close(a, b, tol=1e-12):
 
 
 def make_cart(nd, periodic):
-    dims = [size] if nd == 1 else MPI.Compute_dims(size, 2)
-    return WORLD.Create_cart(dims, periods=[periodic] * nd)
+    """A vjpmpi.ProcessGrid (the layers take it or its .cart, a Cartesian communicator)."""
+    return vjpmpi.ProcessGrid.create(nd, WORLD, periodic)
 
 
-def block_slices(cart, nd):
-    """This rank's block of the global (N,)*nd field, as a tuple of slices."""
-    dims, _, coords = cart.Get_topo()
-    out = []
-    for a in range(nd):
-        b = N // dims[a]
-        out.append(slice(coords[a] * b, (coords[a] + 1) * b))
-    return tuple(out)
+def block_slices(cart, nd, rank=None):
+    """`rank`'s block (default: this rank's) of the global (N,)*nd field, as slices
+    (vjpmpi.ProcessGrid.block: the grid logic HaloExchange and vjpmpi.fft share)."""
+    return cart.block((N,) * nd, rank=rank)
 
 
-def padded_slices(cart, nd, w):
-    """This rank's block plus `w` halo cells per side, inside the globally padded field."""
-    return tuple(slice(s.start, s.stop + 2 * w) for s in block_slices(cart, nd))
+def padded_slices(cart, nd, w, rank=None):
+    """`rank`'s block plus `w` halo cells per side, inside the globally padded field."""
+    return tuple(slice(s.start, s.stop + 2 * w) for s in block_slices(cart, nd, rank))
 
 
 def all_padded_slices(cart, nd, w):
     """padded_slices of every rank of `cart` (for single-process references)."""
-    dims, _, _ = cart.Get_topo()
-    out = []
-    for r in range(cart.size):
-        coords = cart.Get_coords(r)
-        out.append(tuple(slice(coords[a] * (N // dims[a]),
-                               (coords[a] + 1) * (N // dims[a]) + 2 * w) for a in range(nd)))
-    return out
+    return [padded_slices(cart, nd, w, r) for r in range(cart.cart.size)]
 
 
 def global_field(shape, seed):
@@ -70,7 +61,7 @@ def test_halo_exchange(nd, periodic):
     cart = make_cart(nd, periodic)
     try:
         layer = vnn.HaloExchange(cart, width)
-        assert layer.dims == tuple(cart.Get_topo()[0])
+        assert layer.dims == cart.dims
         assert layer.periodic == (periodic,) * nd
         U = global_field((N,) * nd, seed=10 + nd)
         bs, ps = block_slices(cart, nd), padded_slices(cart, nd, width)
@@ -100,7 +91,7 @@ def test_halo_exchange(nd, periodic):
         close(jax.grad(local_loss)(u), ref_g)
         close(eqx.filter_jit(jax.grad(local_loss))(u), ref_g)
     finally:
-        cart.Free()
+        cart.free()
 
 
 def loss_of(layer, x):
@@ -120,7 +111,7 @@ def test_halo_conv(nd, periodic, kernel, jit):
         cin, cout, w = 2, 3, (kernel - 1) // 2
         dense = eqx.nn.Conv(nd, cin, cout, kernel, padding=0, key=jax.random.PRNGKey(nd))
         dense = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), dense)
-        layer = vnn.HaloConv.from_dense(dense, cart)
+        layer = vnn.HaloConv.from_dense(dense, cart.cart)  # a plain Cartcomm works too
         assert layer.halo.width == w
         U = global_field((cin,) + (N,) * nd, seed=20 + nd)
         bs = (slice(None),) + block_slices(cart, nd)
@@ -153,7 +144,7 @@ def test_halo_conv(nd, periodic, kernel, jit):
         close(gw, ref_g_conv.weight)
         close(gb, ref_g_conv.bias)
     finally:
-        cart.Free()
+        cart.free()
 
 
 def test_halo_conv_rejects_bad_convs():
@@ -169,4 +160,4 @@ def test_halo_conv_rejects_bad_convs():
         with pytest.raises(TypeError, match="Cartesian"):
             vnn.HaloExchange(WORLD, 1)
     finally:
-        cart.Free()
+        cart.free()

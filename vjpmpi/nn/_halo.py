@@ -8,23 +8,23 @@ from jaxtyping import Array, Float
 from mpi4py import MPI
 
 from .._composite import ordered_collective
-from .._mpi import CommRef, as_comm
+from .._grid import ProcessGrid, topology
+from .._mpi import CommRef
 from .._ops import sendrecv
 
 
-def _cart_ref(cart, layer: str) -> CommRef:
-    if not isinstance(cart, MPI.Cartcomm):
-        raise TypeError(
-            f"vjpmpi.nn.{layer}: argument 'cart' must be an mpi4py Cartesian communicator "
-            f"(comm.Create_cart(dims, periods=...)), got {type(cart).__name__}"
-        )
-    ref = as_comm(cart, f"nn.{layer}")
-    if cart.Get_dim() not in (1, 2):
+def _cart_topology(cart, layer: str):
+    """(record, dims, periodic, neighbours) of a 1-D or 2-D Cartesian communicator or
+    `vjpmpi.ProcessGrid` (`_grid.topology`, the grid logic every decomposition shares)."""
+    if isinstance(cart, ProcessGrid):
+        cart = cart.cart
+    ref, dims, periodic, _, neighbours = topology(cart, f"nn.{layer}")
+    if len(dims) not in (1, 2):
         raise ValueError(
             f"vjpmpi.nn.{layer}: the Cartesian communicator must have 1 or 2 dimensions, "
-            f"got {cart.Get_dim()}"
+            f"got {len(dims)}"
         )
-    return ref
+    return ref, dims, periodic, neighbours
 
 
 def _edge(u, axis: int, start: int, stop: int):
@@ -64,7 +64,8 @@ class HaloExchange(eqx.Module):
     the decomposed ones (leading axes, e.g. channels, are carried along). Halo cells
     come from the neighbours given by `cart.Shift(axis, 1)`; at a non-periodic
     boundary (neighbour MPI.PROC_NULL) they are zero. Corners are filled (axis 1 is
-    exchanged after axis 0, on the axis-0-padded array).
+    exchanged after axis 0, on the axis-0-padded array). `cart`: an mpi4py Cartesian
+    communicator or a `vjpmpi.ProcessGrid` (whose `block` gives each rank's block).
     Transpose: the reverse exchange, which adds the halo cotangents back into the
     cells that own them (done automatically by vjpmpi's sendrecv transposes).
     """
@@ -76,16 +77,12 @@ class HaloExchange(eqx.Module):
     neighbours: tuple[tuple[int, int], ...] = eqx.field(static=True)
 
     def __init__(self, cart, width: int = 1):
-        self.comm = _cart_ref(cart, "HaloExchange")
+        self.comm, self.dims, self.periodic, self.neighbours = _cart_topology(
+            cart, "HaloExchange")
         width = int(width)
         if width < 0:
             raise ValueError(f"vjpmpi.nn.HaloExchange: width must be >= 0, got {width}")
         self.width = width
-        dims, periods, _ = cart.Get_topo()
-        self.dims = tuple(int(d) for d in dims)
-        self.periodic = tuple(bool(p) for p in periods)
-        self.neighbours = tuple(tuple(int(r) for r in cart.Shift(a, 1))
-                                for a in range(len(self.dims)))
 
     def __call__(self, u: Float[Array, "..."], *, key=None) -> Float[Array, "..."]:
         nd = len(self.dims)
@@ -122,8 +119,7 @@ class HaloConv(eqx.Module):
     halo: HaloExchange
 
     def __init__(self, conv: eqx.nn.Conv, cart):
-        _cart_ref(cart, "HaloConv")  # validates `cart`
-        nd = len(cart.Get_topo()[0])
+        nd = len(_cart_topology(cart, "HaloConv")[1])
         if conv.num_spatial_dims != nd:
             raise ValueError(
                 f"vjpmpi.nn.HaloConv: conv has {conv.num_spatial_dims} spatial dims but the "
