@@ -265,7 +265,8 @@ def test_message_over_2_gib(tmp_path):
 
 @pytest.mark.parametrize("nprocs", [8])
 def test_autodiff_suite_on_8_oversubscribed_ranks(nprocs):
-    run = mpirun(nprocs, ["-m", "pytest", "mpi/test_autodiff.py", "mpi/test_reliability.py",
+    # (mpi/test_reliability.py's failure modes run at 1, 2 and 4 ranks in test_multirank)
+    run = mpirun(nprocs, ["-m", "pytest", "mpi/test_autodiff.py",
                           "-q", "-p", "no:cacheprovider", "-x"], timeout=1200)
     assert run.returncode == 0 and not run.timed_out, run.describe()
     assert len(re.findall(r"\d+ passed", run.output)) == nprocs, run.describe()
