@@ -26,6 +26,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from plots import save_fields
 from mpi4py import MPI
 
 jax.config.update("jax_enable_x64", True)
@@ -136,27 +137,6 @@ def recover(value_and_grad, u_start, obs, iters: int):
     return u, history
 
 
-def save_figure(path, panels):
-    """Write the panels (title, global field) side by side as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    vmax = max(np.abs(field).max() for _, field in panels)
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4), constrained_layout=True)
-    for ax, (title, field) in zip(axes, panels):
-        image = ax.imshow(field, cmap="RdBu_r", vmin=-vmax, vmax=vmax, origin="lower")
-        ax.set_title(title)
-        ax.set_xticks([])
-        ax.set_yticks([])
-    fig.colorbar(image, ax=axes, shrink=0.8)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def main(quick: bool = False, out: str | None = str(DEFAULT_OUT)) -> dict:
     """Run the example; returns the checks (identical on every rank).
 
@@ -199,7 +179,7 @@ def main(quick: bool = False, out: str | None = str(DEFAULT_OUT)) -> dict:
         print(f"  recovered initial field: rel. error {recovery_rel_error:.3f} "
               f"(zero guess: 1.000)")
         if out is not None:
-            save_figure(out, [("true initial field", truth),
+            save_fields(out, [("true initial field", truth),
                               (f"observation after {steps} steps", obs_global),
                               (f"recovered ({iters} iterations)", recovered)])
             print(f"  wrote {out}")

@@ -26,6 +26,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from plots import save_fields
 
 jax.config.update("jax_enable_x64", True)
 
@@ -92,26 +93,6 @@ def descend(value_and_grad, c, obs, iters: int, lr: float = 1.0):
     return c, history
 
 
-def save_figure(path, panels):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    vmax = max(np.abs(f).max() for _, f in panels)
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4), constrained_layout=True)
-    for ax, (title, f) in zip(axes, panels):
-        image = ax.imshow(f, cmap="RdBu_r", vmin=-vmax, vmax=vmax, origin="lower")
-        ax.set_title(title)
-        ax.set_xticks([])
-        ax.set_yticks([])
-    fig.colorbar(image, ax=axes, shrink=0.8)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def main(quick: bool = False, out: str | None = str(DEFAULT_OUT)) -> dict:
     """Run the example; returns the checks (identical on every rank)."""
     cfg = QUICK if quick else FULL
@@ -172,7 +153,7 @@ def main(quick: bool = False, out: str | None = str(DEFAULT_OUT)) -> dict:
               f"(zero guess: 1.000)")
         if out is not None:
             z = int(0.5 * n)
-            save_figure(out, [("true initial field (z = 1/2)", truth[:, :, z]),
+            save_fields(out, [("true initial field (z = 1/2)", truth[:, :, z]),
                               (f"observation after {steps} steps", obs_global[:, :, z]),
                               (f"recovered ({iters} iterations)", recovered[:, :, z])])
             print(f"  wrote {out}")
