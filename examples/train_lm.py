@@ -27,6 +27,7 @@ from mpi4py import MPI
 
 import vjpmpi.nn as vnn
 from plots import save_loss_curves
+from single_process import on_one_rank
 
 COMM = MPI.COMM_WORLD
 SEQ, DIM, HEADS, WIDTH = 32, 32, 4, 64  # heads and widths divisible by tp = 1 or 2
@@ -116,8 +117,12 @@ def train(model, data, xent, opt, progress=None, mean_over=None):
 
 
 def max_param_diff(a, b):
-    leaves = zip(*(jax.tree_util.tree_leaves(eqx.filter(m, eqx.is_inexact_array)) for m in (a, b)))
-    return max(float(jnp.max(jnp.abs(u - v))) for u, v in leaves)
+    """The largest difference between two models' parameters (same structure required)."""
+    (la, ta), (lb, tb) = (jax.tree_util.tree_flatten(eqx.filter(m, eqx.is_inexact_array))
+                          for m in (a, b))
+    if ta != tb or not la:
+        raise ValueError(f"the models differ in structure:\n{ta}\n{tb}")
+    return max(float(jnp.max(jnp.abs(u - v))) for u, v in zip(la, lb, strict=True))
 
 
 def main(steps=150, batch=12, lr=3e-3, out="examples/out/train_lm.png", show=True):
@@ -146,13 +151,18 @@ def main(steps=150, batch=12, lr=3e-3, out="examples/out/train_lm.png", show=Tru
     if progress is not None:
         progress.close()
     trained = gathered(parallel)  # collective over each tensor-parallel group
-    result = {"tp": tp, "dp": dp, "final_loss": losses[-1], "first_loss": losses[0]}
-    if rank == 0:  # the same model and global batches, plain equinox on one process
+
+    def reference_run():  # the same model and global batches, plain equinox on one process
         reference, ref_losses = train(dense, data, optax.softmax_cross_entropy_with_integer_labels,
                                       optax.adam(lr))
-        result.update(reference_final_loss=ref_losses[-1],
-                      max_loss_diff=float(np.max(np.abs(np.subtract(losses, ref_losses)))),
-                      max_param_diff=max_param_diff(trained, reference))
+        return {"ref_losses": ref_losses, "max_param_diff": max_param_diff(trained, reference)}
+
+    ref = on_one_rank(reference_run, COMM)
+    ref_losses = ref["ref_losses"]
+    result = {"tp": tp, "dp": dp, "final_loss": losses[-1], "first_loss": losses[0],
+              "reference_final_loss": ref_losses[-1], "max_param_diff": ref["max_param_diff"],
+              "max_loss_diff": float(np.max(np.abs(np.subtract(losses, ref_losses))))}
+    if rank == 0:
         print(f"final loss {losses[-1]:.4f} (first {losses[0]:.4f}); single process "
               f"{ref_losses[-1]:.4f}; largest loss difference {result['max_loss_diff']:.2e}, "
               f"largest parameter difference {result['max_param_diff']:.2e}")
@@ -163,7 +173,7 @@ def main(steps=150, batch=12, lr=3e-3, out="examples/out/train_lm.png", show=Tru
                              "cross-entropy (nats per character)")
     tp_comm.Free()
     dp_comm.Free()
-    return COMM.bcast(result, root=0)
+    return result
 
 
 if __name__ == "__main__":

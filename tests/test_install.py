@@ -1,5 +1,6 @@
 """Import-time checks, each in a fresh single-rank interpreter."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -198,6 +199,7 @@ def test_kernels_built_against_newer_jaxlib_is_a_clear_import_error():
     assert "but jaxlib 0.6.0 is installed" in r.stderr and "--no-build-isolation" in r.stderr
 
 
+@functools.cache
 def _tested_range():
     r = python("from vjpmpi import _versions; print(*_versions.JAX_TESTED)")
     assert r.returncode == 0, r.stderr

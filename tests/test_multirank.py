@@ -1,15 +1,24 @@
-"""Run the multi-rank suite (tests/mpi) at 1, 2, 3 and 4 ranks, each in its own mpiexec,
-and check what ran against tests/expected_counts.json.
+"""Run the multi-rank suite (tests/mpi) at 1, 2, 3, 4 and 8 ranks, each rank count in one
+mpiexec job, and check what ran against tests/expected_counts.json.
 
-The platform runs of `.ci/run` select with the environment:
-  VJPMPI_TEST_RANKS   rank counts, e.g. "2" (default "1,2,3,4")
+The jobs:
+  1, 2, 4   every file (but those of ONLY_AT that leave the count out);
+  3         the odd count (one rank against two), with the mismatch check and the
+            watchdog on in every test (JOB_ENV: VJPMPI_CHECK=1, VJPMPI_TIMEOUT=300):
+            the check must pass whatever the suite does, and a wrong pairing in the
+            ordering suites is an error naming every rank's collective;
+  8         (oversubscribed) the files of WIDE, whose algorithms depend on the rank
+            count, without their tests marked `narrow` (work that does not change past
+            4 ranks: dtype coverage, vmap, checkpoint, second derivatives).
+
+The platform runs of `.ci/run` and contributors select with the environment:
+  VJPMPI_TEST_RANKS   rank counts, e.g. "2" (default "1,2,3,4,8")
   VJPMPI_TEST_FILES   the part of tests/mpi to run: test files or folders, e.g.
                       "mpi/test_collectives.py" (default: all of it)
   VJPMPI_TEST_NETWORK "1": every message through MPI's network module over loopback
-                      (shared memory off; `_mpirun.NETWORK_ENV`)
-  VJPMPI_TEST_WIDE    "1"/"0": also run the files of WIDE at their larger rank
-                      counts (default: on when VJPMPI_TEST_RANKS is not set)
-Files listed in ONLY_AT run at those rank counts only.
+                      (shared memory off; `_mpirun.network_env()`)
+`pytest tests -m quick` is the development tier: the multi-rank suite at 2 ranks without
+the examples' smoke tests (QUICK_LEAVES_OUT), held against the table like any job.
 
 Every rank writes a JUnit file; per test file and rank count the ranks must agree on
 every test's outcome, and the numbers of passed and skipped tests, the tests run per
@@ -17,7 +26,8 @@ test function and the skipped tests with their reasons must equal the table's en
 (only the files of the run are checked, so the platform subsets are checked too). A
 test that newly skips, a test that no longer runs, a skip that now passes, or a (file,
 rank count) pair missing from the table fails, naming the file, the rank count, the
-expected and the measured numbers and the tests concerned.
+expected and the measured numbers and the tests concerned. Each job's wall time and
+slowest tests (from the JUnit files) are printed at the end of the session.
 
 Skips that depend on the machine rather than on the code (no GPU for JAX, the CUDA
 module not built) are listed with their reasons under "environment_skips" in the
@@ -33,9 +43,11 @@ diff of tests/expected_counts.json before committing it.
 """
 
 import collections
+import fnmatch
 import json
 import os
 import re
+import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -43,26 +55,30 @@ import pytest
 from _mpirun import TESTS, mpirun, network_env
 
 TIMEOUT = 1200  # seconds per rank count; a deadlock fails the run instead of hanging CI
-RANKS = [int(n) for n in os.environ.get("VJPMPI_TEST_RANKS", "1,2,3,4").split(",")]
+RANKS = [int(n) for n in os.environ.get("VJPMPI_TEST_RANKS", "1,2,3,4,8").split(",")]
 FILES = os.environ.get("VJPMPI_TEST_FILES", "mpi").split()
 NETWORK = os.environ.get("VJPMPI_TEST_NETWORK", "") not in ("", "0")
 UPDATE = os.environ.get("VJPMPI_UPDATE_COUNTS", "") not in ("", "0")
 TABLE = TESTS / "expected_counts.json"
-# Files that also run at more ranks, oversubscribed: rank-count-dependent algorithms
-# (the nonlinear derivatives' scans over ranks) at a count of ranks past 4, with a
-# pytest -k selection of the tests whose work depends on the rank count (dtype
-# coverage, vmap, checkpoint and second derivatives run at 1-4 ranks).
-WIDE = {"mpi/test_nonlinear.py": (8, "not other_dtypes and not vmap_of_grad and not "
-                                     "checkpoint_and_loop and not second_order")}
-# Files that run at some of 1-4 ranks only (default: all four). The layers, the
-# examples and the mpi4jax namespace are built on collectives the core files test at
-# every count; a one-rank run of them repeats the dense layer, the tensor-parallel
-# layers split by 2 and 4 (their 3-rank run, the suite's longest file, repeated the
-# same code paths), and the CUDA lowering tests only lower (no collective runs). At 3
-# ranks (the odd, non-power-of-two count) run the files whose algorithms depend on the
-# rank count: collectives, point-to-point, autodiff, nonlinear derivatives, FFTs.
+# `pytest tests -m quick`: the 2-rank job, without the files that QUICK_LEAVES_OUT
+# matches (the examples' smoke tests, which train models)
+QUICK_RANKS = (2,)
+QUICK_LEAVES_OUT = ("mpi/test_example_*.py",)
+# The environment of a rank count's job (see the module docstring).
+JOB_ENV = {3: {"VJPMPI_CHECK": "1", "VJPMPI_TIMEOUT": "300"}}
+# Rank counts past 4 (oversubscribed) and the files that run there, each without its
+# tests marked `narrow`: the nonlinear derivatives' scans over the ranks and the
+# adjoints of every linear op and root, at a count of ranks past 4.
+WIDE = {8: ("mpi/test_nonlinear.py", "mpi/test_autodiff.py")}
+# Files that run at some of 1-4 ranks only (default: all four). The examples and the
+# mpi4jax namespace are built on collectives the core files test at every count; a
+# one-rank run of the layers repeats the dense layer, and the CUDA lowering tests only
+# lower (no collective runs). At 3 ranks (the odd, non-power-of-two count, with the
+# check on) run the files whose algorithms depend on the rank count (collectives,
+# point-to-point, autodiff, nonlinear derivatives, FFTs, the tensor-parallel layers'
+# splits) and the ordering suite.
 ONLY_AT = {
-    "mpi/test_nn.py": (2, 4),
+    "mpi/test_nn.py": (2, 3, 4),
     "mpi/test_nn_halo.py": (2, 4),  # (4: a ring whose two neighbours differ, and 2x2)
     "mpi/test_nn_optim.py": (2,),
     "mpi/test_example_digits.py": (2,),
@@ -72,16 +88,24 @@ ONLY_AT = {
     "mpi/test_example_spectral.py": (2, 4),
     "mpi/test_compat.py": (1, 2, 4),
     "mpi/test_cuda_lowering.py": (2,),
-    # rank-count-independent logic (program order, fuzzed programs, failure modes,
-    # runtime, API): not at the odd count
-    "mpi/test_program_order.py": (1, 2, 4),
+    # rank-count-independent logic (fuzzed programs, failure modes, runtime, API): not
+    # at the odd count
     "mpi/test_fuzz.py": (1, 2, 4),
     "mpi/test_reliability.py": (1, 2, 4),
     "mpi/test_runtime.py": (1, 2, 4),
     "mpi/test_api.py": (1, 2, 4),
 }
-RUN_WIDE = os.environ.get(
-    "VJPMPI_TEST_WIDE", "0" if "VJPMPI_TEST_RANKS" in os.environ else "1") not in ("", "0")
+JOB_TIMES: list[dict] = []  # (printed by tests/conftest.py at the end of the session)
+
+
+def counts_of(file: str) -> tuple[int, ...]:
+    """The rank counts `file` runs at."""
+    return (*ONLY_AT.get(file, (1, 2, 3, 4)), *(n for n, fs in WIDE.items() if file in fs))
+
+
+def quick_tier(markexpr: str) -> bool:
+    """Whether pytest's -m expression selects the quick tier (and not its complement)."""
+    return "quick" in re.findall(r"\w+", markexpr or "") and not re.search(r"not\s+quick", markexpr)
 
 
 def run_files(entries) -> list[str]:
@@ -116,6 +140,15 @@ def read_junit(path, files) -> dict[str, dict[str, tuple[str, str]]]:
                 outcome, reason = "failed", child.get("message", "")
         results.setdefault(file, {})[test_id] = (outcome, reason)
     return results
+
+
+def junit_times(path) -> list[tuple[float, str]]:
+    """[(seconds, test id)] of one rank's JUnit file, slowest first."""
+    rows = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        module = case.get("classname", "").split(".")
+        rows.append((float(case.get("time", 0)), f"{'.'.join(module[2:])}::{case.get('name')}"))
+    return sorted(rows, reverse=True)
 
 
 def summarize(tests: dict[str, tuple[str, str]]) -> dict:
@@ -195,35 +228,37 @@ def load_table() -> dict:
     return json.loads(TABLE.read_text())
 
 
-@pytest.mark.parametrize("nprocs", RANKS)
-def test_suite(nprocs, tmp_path):
-    files = [f for f in run_files(FILES) if nprocs in ONLY_AT.get(f, (nprocs,))]
+@pytest.mark.parametrize("nprocs", [pytest.param(n, marks=pytest.mark.quick)
+                                    if n in QUICK_RANKS else n for n in RANKS])
+def test_suite(nprocs, tmp_path, request):
+    files = [f for f in run_files(FILES) if nprocs in counts_of(f)]
+    if quick_tier(request.config.getoption("markexpr")):
+        files = [f for f in files if not any(fnmatch.fnmatch(f, p) for p in QUICK_LEAVES_OUT)]
     if not files:
-        pytest.skip(f"no file of VJPMPI_TEST_FILES runs at {nprocs} ranks (ONLY_AT)")
-    run_and_compare(nprocs, files, tmp_path)
-
-
-@pytest.mark.parametrize("file,nprocs,select", [(f, n, k) for f, (n, k) in WIDE.items()]
-                         if RUN_WIDE else [])
-def test_wide(file, nprocs, select, tmp_path):
-    run_and_compare(nprocs, [file], tmp_path, ["-k", select])
+        pytest.skip(f"no file of VJPMPI_TEST_FILES runs at {nprocs} ranks (ONLY_AT, WIDE)")
+    run_and_compare(nprocs, files, tmp_path, ["-m", "not narrow"] if nprocs in WIDE else [])
 
 
 def run_and_compare(nprocs, entries, tmp_path, extra=()):
     """Run `entries` of tests/ at `nprocs` ranks; compare what ran with the table."""
     files = run_files(entries)
+    env = {**JOB_ENV.get(nprocs, {}), **(network_env() if NETWORK else {})}
+    started = time.monotonic()
     run = mpirun(
         nprocs,
         ["-m", "pytest", *entries, *extra, "-q", "-p", "no:cacheprovider", "-x",
-         f"--junitxml={tmp_path}/results.rank{{rank}}.xml"],
+         "--durations=15", f"--junitxml={tmp_path}/results.rank{{rank}}.xml"],
         timeout=TIMEOUT * (2 if NETWORK else 1),
-        env=network_env() if NETWORK else None,
+        env=env,
     )
+    wall = time.monotonic() - started
     assert not run.timed_out and run.returncode == 0, (
         f"multi-rank suite failed at {nprocs} ranks\n" + run.describe()
     )
     counts = re.findall(r"(\d+) passed", run.output)
     assert len(counts) == nprocs, run.describe()
+    JOB_TIMES.append({"job": f"{nprocs} ranks" + "".join(f" {k}={v}" for k, v in env.items()),
+                      "wall": wall, "tests": junit_times(tmp_path / "results.rank0.xml")})
 
     # every rank's results, and all ranks agree on every test's outcome
     per_rank = []
@@ -281,8 +316,15 @@ vjpmpi.barrier()
 
 
 def test_mismatched_program_fails_within_timeout(tmp_path):
+    """Rank 0 broadcasts while rank 1 allreduces: with the watchdog on, the job ends with
+    an error naming a stuck call well before the launcher's own timeout (a hang killed by
+    the harness fails)."""
     script = tmp_path / "mismatch.py"
     script.write_text(MISMATCH)
-    run = mpirun(2, [str(script)], timeout=60)
-    # Either MPI reports the mismatch or the job is killed at the timeout: never a hang.
-    assert run.timed_out or run.returncode != 0, run.describe()
+    started = time.monotonic()
+    run = mpirun(2, [str(script)], timeout=120, env={"VJPMPI_TIMEOUT": "5"})
+    took = time.monotonic() - started
+    assert not run.timed_out and run.returncode != 0, run.describe()
+    assert re.search(r"vjpmpi: timeout \(VJPMPI_TIMEOUT=5 s\): rank [01] of 2 has waited 5\.\d s "
+                     r"in (allreduce\(SUM\)|barrier\(\))", run.output), run.describe()
+    assert took < 60, f"job took {took:.1f} s to end"

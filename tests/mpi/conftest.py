@@ -26,6 +26,8 @@ def pytest_configure(config):
     path = config.option.xmlpath
     if path and "{rank}" in path:
         config.option.xmlpath = path.replace("{rank}", str(WORLD.rank))
+    if WORLD.rank:  # one slowest-tests table per job (rank 0's), not one per rank
+        config.option.durations = None
 
 
 def pytest_runtest_logreport(report):

@@ -1,7 +1,10 @@
 """References and data for the multi-rank suite."""
 
 import functools
+import inspect
 
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -116,3 +119,55 @@ def normal(shape, salt=0):
 def gdot(a, b):
     """Global inner product: local vdots summed over ranks."""
     return WORLD.allreduce(float(np.real(np.vdot(np.asarray(a), np.asarray(b)))))
+
+
+# ------------------------------------------------------------ pytrees --
+def assert_trees_close(got, want, rtol=1e-12, atol=None, what="leaf"):
+    """Every leaf of `got` equals the same leaf of `want` within tolerance.
+
+    The trees must have the same structure and at least one array leaf: a tree that
+    lost leaves, gained some or is empty fails (a bare `zip` of two leaf lists would
+    pass on the common prefix, or on nothing at all)."""
+    import jax
+
+    got_leaves, got_def = jax.tree_util.tree_flatten(got)
+    want_leaves, want_def = jax.tree_util.tree_flatten(want)
+    assert got_def == want_def, f"tree structures differ:\n  got  {got_def}\n  want {want_def}"
+    assert want_leaves, "no leaves to compare"
+    atol = rtol if atol is None else atol
+    for i, (a, b) in enumerate(zip(got_leaves, want_leaves, strict=True)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol,
+                                   err_msg=f"{what} {i} of {len(want_leaves)}")
+
+
+# ------------------------------------------------------- device arrays --
+def to_device(x):
+    """A JAX array of NumPy data without a compile: `jnp.asarray` of a NumPy array
+    (JAX 0.10) and `jnp.full`/`jnp.arange`/`jnp.ones` compile a small program per shape
+    and dtype; `jax.device_put` copies the buffer and compiles nothing."""
+    import jax
+
+    return jax.device_put(np.asarray(x))
+
+
+# for shapes only: nothing is drawn with it
+_SHAPES_KEY = jnp.asarray(np.zeros(2, np.uint32))
+
+
+def fresh(ctor, *args, seed, **kwargs):
+    """`ctor(*args, **kwargs)`, an equinox layer, with its parameters drawn by NumPy
+    (uniform in +-1/sqrt(fan-in), as equinox draws them) instead of jax.random: the same
+    layer and structure, and nothing compiled."""
+    if "key" in inspect.signature(ctor).parameters:
+        kwargs["key"] = _SHAPES_KEY
+    shapes = eqx.filter_eval_shape(ctor, *args, **kwargs)
+    gen = np.random.default_rng(seed)
+
+    def draw(leaf):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        fan = int(np.prod(leaf.shape[1:])) if len(leaf.shape) > 1 else leaf.shape[0]
+        lim = 1 / np.sqrt(max(fan, 1))
+        return jnp.asarray(gen.uniform(-lim, lim, leaf.shape).astype(leaf.dtype))
+
+    return jax.tree_util.tree_map(draw, shapes)

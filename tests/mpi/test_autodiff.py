@@ -58,21 +58,30 @@ def _linear_ops():
 
 LINEAR = _linear_ops()
 # ------------------------------------------------------------- exactness --
+def _is_other_root(name):
+    """The instances of a rooted op at roots past 0 (root 0 stands for the op eagerly)."""
+    return "_root" in name and not name.endswith("_root0")
+
+
 @pytest.mark.parametrize("name", list(LINEAR))
 def test_dot_product_linear_transpose(name):
     f, shape = LINEAR[name]
-    x = normal(shape, 1)
-    y = jax.jit(f)(x)
-    w = normal(y.shape, 2)
-    (xt,) = jax.jit(jax.linear_transpose(f, x))(w)
+    x, v = normal(shape, 1), normal(shape, 3)
+    w = normal(jax.eval_shape(f, x).shape, 2)
+
+    def all_of(a, c, t):  # the value, and the adjoint three ways: one program
+        (at,) = jax.linear_transpose(f, a)(c)
+        return f(a), at, jax.vjp(f, a)[1](c)[0], jax.jvp(f, (a,), (t,))[1]
+
+    y, xt, vt, jv = jax.jit(all_of)(x, w, v)
     lhs, rhs = gdot(y, w), gdot(x, xt)
     assert abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs)), (lhs, rhs)
     # vjp gives the same cotangent, and jvp agrees: <J v, w> = <v, J^T w>
-    _, vjp = jax.vjp(f, x)
-    np.testing.assert_allclose(vjp(w)[0], xt, rtol=1e-13, atol=1e-13)
-    v = normal(shape, 3)
-    _, jv = jax.jit(lambda a, b: jax.jvp(f, (a,), (b,)))(x, v)
+    np.testing.assert_allclose(vt, xt, rtol=1e-13, atol=1e-13)
     assert abs(gdot(jv, w) - gdot(v, xt)) <= 1e-12 * max(1.0, abs(gdot(jv, w)))
+    if not _is_other_root(name):  # and outside jit: each op's eager vjp
+        _, vjp = jax.vjp(f, x)
+        np.testing.assert_allclose(vjp(w)[0], xt, rtol=1e-13, atol=1e-13)
 
 
 # ------------------------------------------------------- seed reproducers --
@@ -270,17 +279,19 @@ def test_jvp_with_collective_inputs_independent_of_x_on_some_ranks():
                                   "scatter_root0", "gather_root0", "reduce_root0"])
 def test_vmap_of_jvp_vjp_and_transpose(name):
     f, shape = LINEAR[name]
-    xs = normal((3, *shape), 12)
-    ws = jax.vmap(f)(xs)
+    xs, ts = normal((3, *shape), 12), normal((3, *shape), 14)  # (tangents independent of x)
+    ws = jax.eval_shape(jax.vmap(f), xs)
     cts = normal(ws.shape, 13)
     got = jax.jit(jax.vmap(lambda x, c: jax.vjp(f, x)[1](c)[0]))(xs, cts)
     tr = jax.vmap(lambda x, c: jax.linear_transpose(f, x)(c)[0])(xs, cts)
-    jv = jax.vmap(lambda x, t: jax.jvp(f, (x,), (t,))[1])(xs, xs)
+    jv = jax.vmap(lambda x, t: jax.jvp(f, (x,), (t,))[1])(xs, ts)
+    # each batch member on its own (the unbatched adjoints pass the dot tests above)
+    one = jax.jit(lambda x, c, t: (jax.vjp(f, x)[1](c)[0], f(t)))
     for i in range(3):
-        _, vjp = jax.vjp(f, xs[i])
-        np.testing.assert_allclose(got[i], vjp(cts[i])[0], rtol=1e-13, atol=1e-14)
-        np.testing.assert_allclose(tr[i], vjp(cts[i])[0], rtol=1e-13, atol=1e-14)
-        np.testing.assert_allclose(jv[i], f(xs[i]), rtol=1e-13, atol=1e-14)  # linear: J x = f(x)
+        vjp_i, f_t = one(xs[i], cts[i], ts[i])
+        np.testing.assert_allclose(got[i], vjp_i, rtol=1e-13, atol=1e-14)
+        np.testing.assert_allclose(tr[i], vjp_i, rtol=1e-13, atol=1e-14)
+        np.testing.assert_allclose(jv[i], f_t, rtol=1e-13, atol=1e-14)  # linear: J t = f(t)
 
 
 def test_second_order():
@@ -299,12 +310,16 @@ def test_second_order():
     xs = np.stack(WORLD.allgather(np.asarray(x)))
     diag = size * sum((np.prod(np.delete(xs, [rank, s], axis=0), axis=0)
                        for s in range(size) if s != rank), np.zeros(3))
-    np.testing.assert_allclose(jax.hessian(prod_loss)(x), np.diag(diag), rtol=1e-12, atol=1e-14)
     g = jax.grad(prod_loss)
-    hv = jax.jvp(g, (x,), (v,))[1]  # every rank perturbed: the global Hessian-vector product
     eps = 1e-6
-    fd = (g(x + eps * v) - g(x - eps * v)) / (2 * eps)
-    np.testing.assert_allclose(hv, fd, rtol=1e-6, atol=1e-9)
+
+    def second(a, b):  # the Hessian, its product with b, and central differences of g
+        return jax.hessian(prod_loss)(a), jax.jvp(g, (a,), (b,))[1], g(a + eps * b), g(a - eps * b)
+
+    hess, hv, g_plus, g_minus = jax.jit(second)(x, v)
+    np.testing.assert_allclose(hess, np.diag(diag), rtol=1e-12, atol=1e-14)
+    # every rank perturbed: the global Hessian-vector product
+    np.testing.assert_allclose(hv, (g_plus - g_minus) / (2 * eps), rtol=1e-6, atol=1e-9)
 
 
 def _halo(u, comm=None):
@@ -326,9 +341,10 @@ def _diffuse(u, steps, remat):
 
 
 def _diffuse_global(u, steps):
-    for _ in range(steps):
-        u = u + 0.2 * (jnp.roll(u, 1) - 2 * u + jnp.roll(u, -1))
-    return u
+    def step(v, _):
+        return v + 0.2 * (jnp.roll(v, 1) - 2 * v + jnp.roll(v, -1)), None
+
+    return jax.lax.scan(step, u, None, length=steps)[0]
 
 
 @pytest.mark.parametrize("remat", [False, True])
@@ -343,11 +359,16 @@ def test_halo_exchange_scan_100_steps_matches_single_process(remat):
     g = jax.jit(jax.grad(loss))(u0)
     u_glob = jnp.concatenate(WORLD.allgather(np.asarray(u0)))
     t_glob = jnp.concatenate(WORLD.allgather(np.asarray(target)))
-    g_ref = jax.grad(lambda u: jnp.sum((_diffuse_global(u, 100) - t_glob) ** 2))(u_glob)
+
+    @jax.jit
+    def reference(u):  # single process: the global field's gradient and final state
+        return (jax.grad(lambda v: jnp.sum((_diffuse_global(v, 100) - t_glob) ** 2))(u),
+                _diffuse_global(u, 100))
+
+    g_ref, fwd_ref = reference(u_glob)
     np.testing.assert_allclose(g, g_ref[rank * n:(rank + 1) * n], rtol=1e-10, atol=1e-12)
     fwd = jax.jit(lambda u: _diffuse(u, 100, remat))(u0)
-    np.testing.assert_allclose(fwd, _diffuse_global(u_glob, 100)[rank * n:(rank + 1) * n],
-                               rtol=1e-12)
+    np.testing.assert_allclose(fwd, fwd_ref[rank * n:(rank + 1) * n], rtol=1e-12)
 
 
 def test_fori_loop_and_checkpoint_of_collectives():
@@ -369,7 +390,7 @@ def test_fori_loop_and_checkpoint_of_collectives():
             a = jnp.tanh(jnp.broadcast_to(a.sum(0) / size, a.shape))
         return jnp.sum(a ** 2)  # sum over ranks of each rank's loss
 
-    np.testing.assert_allclose(g, jax.grad(ref)(xs)[rank], rtol=1e-12)
+    np.testing.assert_allclose(g, jax.jit(jax.grad(ref))(xs)[rank], rtol=1e-12)
 
 
 def test_cg_with_distributed_operator():
@@ -383,13 +404,12 @@ def test_cg_with_distributed_operator():
         xr = vjpmpi.use_replicated(x)
         return vjpmpi.sum_replicated(a_local @ (a_local.T @ xr)) + n * x
 
-    def loss(rhs):
+    def loss(rhs):  # (the solution comes out as well: one program for both checks)
         x, _ = jax.scipy.sparse.linalg.cg(matvec, rhs, tol=1e-14)
-        return jnp.sum(x ** 2)
+        return jnp.sum(x ** 2), x
 
-    x, _ = jax.jit(lambda r: jax.scipy.sparse.linalg.cg(matvec, r, tol=1e-14))(b)
+    g, x = jax.jit(jax.grad(loss, has_aux=True))(b)
     np.testing.assert_allclose(x, np.linalg.solve(a_glob, b), rtol=1e-9)
-    g = jax.jit(jax.grad(loss))(b)
     x_ref = np.linalg.solve(a_glob, np.asarray(b))
     np.testing.assert_allclose(g, 2 * np.linalg.solve(a_glob.T, x_ref), rtol=1e-8)
 
@@ -404,18 +424,22 @@ def test_replicated_pair_data_parallel_mean_loss():
         local = jnp.sum((xb @ use_op(weights) - yb) ** 2)
         return sum_op(local) / (6 * size)
 
-    g = jax.grad(mean_loss)(w, vjpmpi.sum_replicated)
+    @jax.jit
+    def three(v):  # the pair, plain allreduce, and sum_replicated without use_replicated
+        return (jax.grad(mean_loss)(v, vjpmpi.sum_replicated),
+                jax.grad(mean_loss)(v, lambda u: vjpmpi.allreduce(u, MPI.SUM)),
+                jax.grad(mean_loss)(v, vjpmpi.sum_replicated, lambda u: u))
+
+    g, g_wrong, g_own = three(w)
     xs = np.concatenate(WORLD.allgather(np.asarray(xb)))
     ys = np.concatenate(WORLD.allgather(np.asarray(yb)))
     g_ref = 2 * xs.T @ (xs @ np.asarray(w) - ys) / len(ys)
     np.testing.assert_allclose(g, g_ref, rtol=1e-12)  # same, correct gradient on every rank
     # the mistake the pair prevents: allreduce's true adjoint counts the replicated
     # loss once per rank, giving size times the gradient
-    g_wrong = jax.grad(mean_loss)(w, lambda v: vjpmpi.allreduce(v, MPI.SUM))
     np.testing.assert_allclose(g_wrong, size * g_ref, rtol=1e-12)
     # and without use_replicated each rank gets only its own batch's contribution
     # (which sums over ranks to the full gradient)
-    g_own = jax.grad(mean_loss)(w, vjpmpi.sum_replicated, lambda v: v)
     g_own_ref = 2 * np.asarray(xb).T @ (np.asarray(xb) @ np.asarray(w) - np.asarray(yb)) / len(ys)
     np.testing.assert_allclose(g_own, g_own_ref, rtol=1e-12)
     np.testing.assert_allclose(sum(WORLD.allgather(np.asarray(g_own))), g_ref, rtol=1e-12)
@@ -436,13 +460,14 @@ def test_ordered_collective_halo_gradient_check():
     u = normal(6, 23)
     w = normal(8, 24)
     d = normal(6, 25)
-    f = jax.jit(lambda v: halo(v))
+    lowered = jax.jit(halo).lower(u)
+    f = lowered.compile()
     _, vjp = jax.vjp(halo, u)
     (ut,) = vjp(w)
     eps = 1e-6
     fd = (gdot(f(u + eps * d), w) - gdot(f(u - eps * d), w)) / (2 * eps)
     assert abs(fd - gdot(d, ut)) <= 1e-8 * max(1.0, abs(fd))
-    text = jax.jit(halo).lower(u).as_text(debug_info=True)
+    text = lowered.as_text(debug_info=True)
     assert "vjpmpi._halo" in text  # the unit is named in the program
 
 
@@ -463,7 +488,7 @@ def test_ordered_collective_two_stage_pipeline_matches_single_process():
 
     params = w0 if rank == 0 else jnp.zeros((4, 3))
     g = jax.jit(jax.grad(pipeline))(params)
-    g_ref = jax.grad(lambda a: jnp.sum((w1 @ jnp.tanh(a @ x)) ** 2))(w0)
+    g_ref = jax.jit(jax.grad(lambda a: jnp.sum((w1 @ jnp.tanh(a @ x)) ** 2)))(w0)
     if rank == 0:
         np.testing.assert_allclose(g, g_ref, rtol=1e-12)
 
@@ -475,15 +500,20 @@ def test_ordered_collective_nests_and_vmaps():
 
     us = normal((3, 5), 26)
     got = jax.vmap(outer)(us)
-    for i in range(3):
-        np.testing.assert_allclose(got[i], outer(us[i]), rtol=1e-14)
-    g = jax.grad(lambda v: jnp.sum(outer(v) ** 2))(us[0])
-    d, w = normal(5, 27), jnp.ones(7)
-    eps = 1e-6
+    # NumPy: halo(u)[1:-1] is u, so outer(u) = halo(2 u): the previous rank's last and
+    # the next rank's first entry around this rank's own, all doubled
+    every = np.stack(WORLD.allgather(np.asarray(us)))  # (rank, batch, 5)
+    want = 2 * np.concatenate([every[prv][:, -1:], every[rank], every[nxt][:, :1]], axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-14)
+    np.testing.assert_allclose(outer(us[0]), want[0], rtol=1e-14)  # unbatched, eager
     lo = lambda v: jnp.sum(outer(v) ** 2)  # noqa: E731
-    fd = (WORLD.allreduce(float(lo(us[0] + eps * d))) - WORLD.allreduce(float(lo(us[0] - eps * d)))) / (2 * eps)
+    d = normal(5, 27)
+    eps = 1e-6
+    value_and_grad = jax.jit(jax.value_and_grad(lo))
+    _, g = value_and_grad(us[0])
+    fd = (WORLD.allreduce(float(value_and_grad(us[0] + eps * d)[0]))
+          - WORLD.allreduce(float(value_and_grad(us[0] - eps * d)[0]))) / (2 * eps)
     assert abs(fd - gdot(d, g)) <= 1e-6 * max(1.0, abs(fd))
-    del w
 
 
 # send_recv included: its backward receive on the sending rank has a constant template,
@@ -497,7 +527,10 @@ def test_second_order_through_every_linear_op(name):
         return jnp.sum(jnp.sin(f(u)))
 
     g = jax.grad(loss)
-    hv = jax.jit(lambda a, b: jax.jvp(g, (a,), (b,))[1])(x, v)
     eps = 1e-5
-    fd = (g(x + eps * v) - g(x - eps * v)) / (2 * eps)
-    np.testing.assert_allclose(hv, fd, rtol=1e-6, atol=1e-8)
+
+    def second(a, b):  # the Hessian-vector product and central differences of g
+        return jax.jvp(g, (a,), (b,))[1], g(a + eps * b), g(a - eps * b)
+
+    hv, g_plus, g_minus = jax.jit(second)(x, v)
+    np.testing.assert_allclose(hv, (g_plus - g_minus) / (2 * eps), rtol=1e-6, atol=1e-8)

@@ -2,19 +2,24 @@
 
 Covers op x dtype, op x mode (eager / jit / vmap) x shape x every root, and
 op x communicator kind, at whatever rank count mpiexec started.
+
+Compile once, assert many: the jit cases run as one program per op (every dtype and
+reduction; every shape and root) or per communicator kind (every op and root), built
+by the first test that needs it (`jit_results`); each test asserts its own calls.
+Eager and vmap calls stay eager, one call each.
 """
 
 import dataclasses
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import vjpmpi
-from helpers import BF16, DTYPES, WORLD, assert_equal, data, identity, np_reduce, reductions
+from helpers import (BF16, DTYPES, WORLD, assert_equal, data, identity, np_reduce, reductions,
+                     to_device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,25 +73,89 @@ def _comm_info(comm):
     return c, c.Get_rank(), c.Get_size()
 
 
-def check(name, mode, comm, shape, dtype, red="SUM", root=0, batch=3):
-    """Run collective `name` in `mode` and compare with the NumPy reference."""
+def _roots(name, size):
+    return range(size) if CASES[name].root else [0]
+
+
+def _prepare(name, comm, shape, dtype, red, root, salts):
+    """The keyword arguments of one call and this rank's inputs (one per salt)."""
     case = CASES[name]
-    c, rank, size = _comm_info(comm)
+    _, rank, size = _comm_info(comm)
     kw = {"red": red, "op": getattr(MPI, red), "root": root, "rank": rank, "size": size}
     local_shape = (size, *shape) if case.rank_axis_in(rank, kw) else shape
-    salts = range(batch) if mode == "vmap" else [0]
-    xs_local = [data(local_shape, dtype, rank, salt=s) for s in salts]
+    return kw, [data(local_shape, dtype, rank, salt=s) for s in salts]
+
+
+def _gather(comm, xs_local):
+    """Every rank's inputs, per input: [[rank 0's, rank 1's, ...] for each of xs_local]
+    (one mpi4py allgather for all of them)."""
+    c, _, size = _comm_info(comm)
+    every = c.allgather(xs_local)
+    assert len(every) == size and all(len(e) == len(xs_local) for e in every)
+    return [[every[r][i] for r in range(size)] for i in range(len(xs_local))]
+
+
+def _verify(name, comm, kw, gathered, got):
+    """Compare each result with the NumPy reference of every rank's inputs."""
+    _, rank, size = _comm_info(comm)
+    assert len(got) == len(gathered)
+    for xs, g in zip(gathered, got, strict=True):
+        assert_equal(g, CASES[name].ref(xs, rank, size, kw))
+
+
+def check(name, mode, comm, shape, dtype, red="SUM", root=0, batch=3):
+    """Run collective `name` eagerly ("eager") or under an eager vmap ("vmap") and
+    compare with the NumPy reference. (The jit mode runs many calls in one program:
+    `jit_results`.)"""
+    case = CASES[name]
+    kw, xs_local = _prepare(name, comm, shape, dtype, red, root,
+                            range(batch) if mode == "vmap" else [0])
     fn = lambda x: case.call(x, comm, kw)  # noqa: E731
     if mode == "eager":
-        got = [fn(jnp.asarray(xs_local[0]))]
-    elif mode == "jit":
-        got = [jax.jit(fn)(jnp.asarray(xs_local[0]))]
+        got = [fn(to_device(xs_local[0]))]
     else:
-        stacked = jax.vmap(fn)(jnp.asarray(np.stack(xs_local)))
-        got = [stacked[i] for i in range(batch)]
-    for x_local, g in zip(xs_local, got):
-        gathered = c.allgather(x_local)
-        assert_equal(g, case.ref(gathered, rank, size, kw))
+        assert mode == "vmap", mode
+        stacked = np.asarray(jax.vmap(fn)(to_device(np.stack(xs_local))))
+        assert stacked.shape[0] == batch
+        got = list(stacked)  # NumPy slices: no compile per slice
+    _verify(name, comm, kw, _gather(comm, xs_local), got)
+
+
+def key(name, shape, dtype, red="SUM", root=0):
+    return name, tuple(shape), np.dtype(dtype), red, root
+
+
+# Compile once, assert many: each entry is ONE jitted program that runs many calls
+# (every dtype and reduction of one op, every shape and root of one op, every op and
+# root on one communicator kind). The first test that needs an entry runs it; every
+# test then asserts its own calls. Every rank runs the tests in the same order, so
+# all ranks run each program together.
+_JIT: dict = {}
+
+
+def jit_results(cache_key, calls, comm):
+    """{key(*call): (kw, every rank's inputs, [result])} for `calls`, a list of
+    (name, shape, dtype, red, root), all run in ONE jitted program on `comm`, in order."""
+    if cache_key not in _JIT:
+        prepared = [_prepare(n, comm, shape, dtype, red, root, [0])
+                    for n, shape, dtype, red, root in calls]
+        xs_local = [xs[0] for _, xs in prepared]
+
+        def program(xs):
+            return [CASES[call[0]].call(x, comm, kw)
+                    for call, (kw, _), x in zip(calls, prepared, xs, strict=True)]
+
+        outs = jax.jit(program)([to_device(x) for x in xs_local])
+        assert len(outs) == len(calls)
+        gathered = _gather(comm, xs_local)
+        _JIT[cache_key] = {key(*call): (kw, [xs], [out]) for call, (kw, _), xs, out
+                           in zip(calls, prepared, gathered, outs, strict=True)}
+    return _JIT[cache_key]
+
+
+def check_jit(results, name, comm, shape, dtype, red="SUM", root=0):
+    kw, gathered, got = results[key(name, shape, dtype, red, root)]
+    _verify(name, comm, kw, gathered, got)
 
 
 SHAPES = {"scalar": (), "1d": (5,), "nd": (2, 3, 2), "empty": (0,), "empty_nd": (3, 0)}
@@ -96,24 +165,42 @@ SHAPES = {"scalar": (), "1d": (5,), "nd": (2, 3, 2), "empty": (0,), "empty_nd": 
 @pytest.mark.parametrize("mode", ["eager", "jit", "vmap"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_modes_shapes_roots(name, mode, shape):
-    roots = range(WORLD.size) if CASES[name].root else [0]
+    roots = _roots(name, WORLD.size)
+    if mode == "jit":  # one program per op: every shape and root
+        results = jit_results(("modes", name), [(name, s, np.float32, "SUM", root)
+                                                for s in SHAPES.values() for root in roots], None)
     for root in roots:
-        check(name, mode, None, SHAPES[shape], np.float32, root=root)
+        if mode == "jit":
+            check_jit(results, name, None, SHAPES[shape], np.float32, root=root)
+        else:
+            check(name, mode, None, SHAPES[shape], np.float32, root=root)
+
+
+def _dtype_reds(name, dtype):
+    return reductions(dtype) if CASES[name].red else ["SUM"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(CASES))
 def test_dtypes(name, dtype):
-    reds = reductions(dtype) if CASES[name].red else ["SUM"]
-    for red in reds:
-        check(name, "jit", None, (2, 3), dtype, red=red, root=WORLD.size - 1)
+    root = WORLD.size - 1
+    # one program per op: every dtype and reduction
+    results = jit_results(("dtypes", name), [(name, (2, 3), d, red, root) for d in DTYPES
+                                             for red in _dtype_reds(name, d)], None)
+    for red in _dtype_reds(name, dtype):
+        check_jit(results, name, None, (2, 3), dtype, red=red, root=root)
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_communicators(name, comm):
-    c, rank, size = _comm_info(comm)
-    for root in range(size) if CASES[name].root else [0]:
-        check(name, "jit", comm, (3,), np.float64, root=root)
+def test_communicators(name, comm, request):
+    # One program per communicator kind (every op and root), run in the first test of
+    # that kind on its communicator; the kind's other tests assert their op's calls.
+    kind = request.node.callspec.params["comm"]
+    _, _, size = _comm_info(comm)
+    results = jit_results(("comm", kind), [(n, (3,), np.float64, "SUM", root)
+                                           for n in CASES for root in _roots(n, size)], comm)
+    for root in _roots(name, size):
+        check_jit(results, name, comm, (3,), np.float64, root=root)
 
 
 @pytest.mark.parametrize("name", ["allreduce", "reduce", "scan", "exscan", "reduce_scatter"])
@@ -164,7 +251,7 @@ def test_half_precision_rounding(dtype):
         "MIN": (xs.min(0), np.zeros(len(x))),
     }
     for red, (exact, bound) in bounds.items():
-        got = vjpmpi.allreduce(jnp.asarray(x), getattr(MPI, red), comm=WORLD)
+        got = vjpmpi.allreduce(to_device(x), getattr(MPI, red), comm=WORLD)
         assert got.dtype == dtype
         err = np.abs(np.asarray(got, np.float64) - exact)
         assert (err <= bound).all(), (red, size, np.asarray(got), exact, err, bound)
@@ -173,20 +260,26 @@ def test_half_precision_rounding(dtype):
             assert_equal(got, exact.astype(np.float32).astype(dtype))
     if size == 2:  # the ties went to the even neighbour, one down and one up
         _, p = HALF[dtype]
-        got = vjpmpi.allreduce(jnp.asarray(x), MPI.SUM, comm=WORLD)
-        np.testing.assert_array_equal(np.asarray(got[7:], np.float64), [2.0**p, 2.0**p + 4])
+        got = vjpmpi.allreduce(to_device(x), MPI.SUM, comm=WORLD)
+        np.testing.assert_array_equal(np.asarray(got, np.float64)[7:], [2.0**p, 2.0**p + 4])
 
 
 def test_inputs_not_mutated():
+    # Shape "1d" and root 0: the eager calls reuse test_modes_shapes_roots' compiled
+    # programs; the jit part is one program of every op.
     rank = WORLD.rank
+    kw = {"red": "SUM", "op": MPI.SUM, "root": 0, "rank": rank, "size": WORLD.size}
+    xs_np = {name: data((WORLD.size, *SHAPES["1d"]) if case.rank_axis_in(rank, kw)
+                        else SHAPES["1d"], np.float32, rank)
+             for name, case in CASES.items()}
+    xs = {name: to_device(x_np) for name, x_np in xs_np.items()}
     for name, case in CASES.items():
-        kw = {"red": "SUM", "op": MPI.SUM, "root": 0, "rank": rank, "size": WORLD.size}
-        shape = (WORLD.size, 3) if case.rank_axis_in(rank, kw) else (3,)
-        x_np = data(shape, np.float32, rank)
-        x = jnp.asarray(x_np)
-        for f in (lambda v: case.call(v, None, kw), jax.jit(lambda v: case.call(v, None, kw))):
-            jax.block_until_ready(f(x))
-            assert_equal(x, x_np)
+        jax.block_until_ready(case.call(xs[name], None, kw))
+        assert_equal(xs[name], xs_np[name])
+    every_op = jax.jit(lambda d: {name: CASES[name].call(v, None, kw) for name, v in d.items()})
+    jax.block_until_ready(every_op(xs))
+    for name in CASES:
+        assert_equal(xs[name], xs_np[name])
 
 
 def test_python_scalars_and_weak_types():

@@ -16,5 +16,10 @@ def test_train_lm_matches_single_process():
     result = train_lm.main(steps=25, out=None, show=False)
     assert (result["tp"], result["dp"]) == ((2, size // 2) if size % 2 == 0 else (1, size))
     assert result["final_loss"] < result["first_loss"] - 0.5  # it learns
-    assert result["max_loss_diff"] < 1e-4  # float32, 25 Adam steps
-    assert abs(result["final_loss"] - result["reference_final_loss"]) < 1e-4
+    # float64 (the suite enables x64), 25 Adam steps: the losses and every parameter
+    # (gathered from its shards) equal the single-process model's up to rounding. (Adam
+    # is invariant to a positive scale of the gradient but for its epsilon, so a
+    # tolerance this tight also sees a gradient scaled by the rank count.)
+    assert result["max_loss_diff"] < 1e-10, result
+    assert abs(result["final_loss"] - result["reference_final_loss"]) < 1e-10, result
+    assert result["max_param_diff"] < 1e-10, result

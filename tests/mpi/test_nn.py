@@ -1,4 +1,14 @@
-"""vjpmpi.nn: every sharded layer equals its single-process equinox reference."""
+"""vjpmpi.nn: every sharded layer equals its single-process equinox reference.
+
+What this file costs is XLA compiling (each jax.random shape alone takes a second or
+more on CPU), so: parameters and data are drawn with NumPy (`fresh`), jax.random only
+where it is what a test checks (init from a key, dropout keys); the references are
+NumPy formulas or one jitted program per dense model; one compiled program per sharded
+model gives its output, its gradients and the HLO whose collectives a test counts.
+"""
+
+import itertools
+import time
 
 import equinox as eqx
 import jax
@@ -6,30 +16,26 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.flatten_util import ravel_pytree
 
 import vjpmpi
 import vjpmpi.nn as vnn
 from vjpmpi import _mpi
 
-from helpers import WORLD, kernel_calls
+from helpers import _SHAPES_KEY, WORLD, assert_trees_close, fresh, kernel_calls
 
 rank, size = WORLD.rank, WORLD.size
 F = 12  # divisible by 1, 2, 3 and 4 ranks
-# The end-to-end cases (20 training steps, dropout, a two-block sequence-parallel
-# stack) run at 2 ranks only, for CI time; at 4 ranks the layer cases check the 4-way
-# splits and examples/train_lm.py's smoke test trains a 2 x 2 model.
-END_TO_END = pytest.mark.skipif(
-    size > 2, reason="end-to-end case: runs at 2 ranks (the layer cases cover 4-way splits)")
+HEADS = 3 if size == 3 else 4  # attention heads: divisible by the rank count
+ALLREDUCE = 'custom_call_target="vjpmpi_allreduce"'
+ADAM = optax.adam(1e-2)
+XENT = optax.softmax_cross_entropy_with_integer_labels
 
 
-def loss_of(layer, x):
-    return jnp.sum(jnp.sin(layer(x)))
-
-
-@eqx.filter_jit
-def grads(layer, x):
-    """(gradient w.r.t. the layer's parameters, gradient w.r.t. the input)."""
-    return eqx.filter_grad(loss_of)(layer, x), jax.grad(lambda v: loss_of(layer, v))(x)
+# ------------------------------------------------------------------ helpers --
+def arr(seed, *shape, dtype=np.float64):
+    """Standard normal NumPy data, the same on every rank."""
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 def close(a, b, tol=1e-12):
@@ -37,59 +43,165 @@ def close(a, b, tol=1e-12):
 
 
 def shard_rows(w, axis=0):
+    """This rank's block of `w` along `axis` (NumPy)."""
+    w = np.asarray(w)
     k = w.shape[axis] // size
-    return jax.lax.slice_in_dim(w, rank * k, (rank + 1) * k, axis=axis)
+    return w[(slice(None),) * axis + (slice(rank * k, (rank + 1) * k),)]
 
 
+def params(model):
+    return eqx.filter(model, eqx.is_inexact_array)
+
+
+def sharded_as(local, full):
+    """`full`, the single-process model's gradient, cut as the sharded model holds its
+    parameters, in the tree structure of `local` (the sharded model's gradient): the
+    array leaves pair up in order (the sharded layers keep the dense layers' order), and
+    each is kept whole where the shapes agree, else cut to this rank's block of the one
+    axis that is `size` times longer."""
+    mine, treedef = jax.tree_util.tree_flatten(local)
+    theirs = jax.tree_util.tree_leaves(full)
+    assert mine and len(mine) == len(theirs), (len(mine), len(theirs))
+    out = []
+    for a, b in zip(mine, theirs, strict=True):
+        b = np.asarray(b)
+        split = [ax for ax in range(b.ndim) if b.shape[ax] != a.shape[ax]]
+        assert a.ndim == b.ndim and len(split) <= 1, (a.shape, b.shape)
+        if split:
+            assert b.shape[split[0]] == size * a.shape[split[0]], (a.shape, b.shape)
+            b = shard_rows(b, split[0])
+        out.append(b)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def adam_state(model):
+    """ADAM.init of the model's parameters flattened into one vector (zeros), made
+    without compiling anything."""
+    flat = jax.eval_shape(lambda p: ravel_pytree(p)[0], params(model))
+    return jax.tree_util.tree_map(lambda s: jnp.asarray(np.zeros(s.shape, s.dtype)),
+                                  jax.eval_shape(ADAM.init, flat))
+
+
+def adam_update(model, g, state):
+    """ADAM on the gradient `g` flattened into one vector (Adam acts element-wise, so this
+    is optax's Adam on the tree, in a few XLA kernels instead of several per leaf)."""
+    assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(params(model))
+    flat_g, unflatten = ravel_pytree(g)
+    updates, state = ADAM.update(flat_g, state)
+    return eqx.apply_updates(model, unflatten(updates)), state
+
+
+@eqx.filter_jit
+def run(model, x):
+    """(model(x), gradient of sum(sin(model(x))) w.r.t. the model's parameters, w.r.t.
+    x): one forward and one backward pass, one program per model structure."""
+
+    def loss(mx):
+        y = mx[0](mx[1])
+        return jnp.sum(jnp.sin(y)), y
+
+    (_, y), (g, gx) = eqx.filter_value_and_grad(loss, has_aux=True)((model, x))
+    return y, g, gx
+
+
+def allreduces(model, x):
+    """Allreduce calls in what XLA compiled for jit(grad) w.r.t. the parameters and the
+    input: the program that `run(model, x)` compiled, read back (not compiled again)."""
+    return run.lower(model, x).compile().compiled.as_text().count(ALLREDUCE)
+
+
+to_dense = eqx.filter_jit(lambda layer: layer.to_dense())  # to_dense in one program
+
+_turns = itertools.count()  # every rank counts the calls below alike
+
+
+def on_one_rank(compute):
+    """compute(), a single-process reference (no MPI inside), run on one rank (each call
+    the next, in turn), its result (a pytree of arrays, as NumPy) sent to every rank.
+    The other ranks sleep meanwhile: at 3-4 ranks on 2 cores every rank compiling the
+    same single-process program would cost 1.5-2 times one."""
+    owner = next(_turns) % size
+    result = error = None
+    if rank == owner:
+        try:
+            result = jax.tree_util.tree_map(np.asarray, compute())
+        except Exception as err:  # noqa: BLE001 (every rank must reach the bcast)
+            error = f"{type(err).__name__}: {err}"
+    done = WORLD.Ibarrier()
+    while not done.Test():
+        time.sleep(0.002)
+    result, error = WORLD.bcast((result, error), root=owner)
+    if error is not None:
+        raise AssertionError(f"the reference computed on rank {owner} failed: {error}")
+    return result
+
+
+def adam_step(loss):
+    """A jitted Adam step on `loss(model, *data) -> (value, aux)`, returning what the
+    tests compare too: (aux, gradient, stepped model, optimizer state)."""
+
+    @eqx.filter_jit
+    def step(model, state, *data):
+        (_, aux), g = eqx.filter_value_and_grad(loss, has_aux=True)(model, *data)
+        return (aux, g, *adam_update(model, g, state))
+
+    return step
+
+
+# ----------------------------------------------------------- linear layers --
 @pytest.mark.parametrize("gather", [False, True])
 def test_column_parallel_linear(gather):
-    dense = eqx.nn.Linear(7, F, key=jax.random.PRNGKey(1))
+    dense = fresh(eqx.nn.Linear, 7, F, seed=1)
     layer = vnn.ColumnParallelLinear.from_dense(dense, gather_output=gather)
-    x = jax.random.normal(jax.random.PRNGKey(2), (7,))
-    y = eqx.filter_jit(layer)(x)
-    close(y, dense(x) if gather else shard_rows(dense(x)))
-    if gather:  # replicated loss: gradients equal the single-process ones
-        (g, gx), (gd, gxd) = grads(layer, x), grads(dense, x)
-        close(gx, gxd)
-        close(g.weight, shard_rows(gd.weight))
-        close(g.bias, shard_rows(gd.bias))
-    close(layer.to_dense().weight, dense.weight)
+    x = arr(2, 7)
+    w, b = np.asarray(dense.weight), np.asarray(dense.bias)
+    want = w @ x + b  # dense(x)
+    y, g, gx = run(layer, x)
+    close(y, want if gather else shard_rows(want))
+    # Gradients equal the single-process ones: the loss is replicated (gather), or
+    # its sum over the ranks is the dense loss and the input's gradient sums them.
+    c = np.cos(want)
+    close(gx, w.T @ c)
+    close(g.weight, shard_rows(np.outer(c, x)))
+    close(g.bias, shard_rows(c))
+    back = to_dense(layer)
+    close(back.weight, dense.weight)
+    assert_trees_close(params(back), params(dense))
 
 
 @pytest.mark.parametrize("parallel_in", [False, True])
 def test_row_parallel_linear(parallel_in):
-    dense = eqx.nn.Linear(F, 5, key=jax.random.PRNGKey(3))
+    dense = fresh(eqx.nn.Linear, F, 5, seed=3)
     layer = vnn.RowParallelLinear.from_dense(dense, input_is_parallel=parallel_in)
-    x = jax.random.normal(jax.random.PRNGKey(4), (F,))
+    x = arr(4, F)
     xin = shard_rows(x) if parallel_in else x
-    close(eqx.filter_jit(layer)(xin), dense(x))
-    g, gx = grads(layer, xin)
-    gd, gxd = grads(dense, x)
-    close(gx, shard_rows(gxd) if parallel_in else gxd)
-    close(g.weight, shard_rows(gd.weight, axis=1))
-    close(g.bias, gd.bias)
-    close(layer.to_dense().weight, dense.weight)
-
-
-def allreduces_in_grad(model, x):
-    """Allreduce calls in what XLA compiled for jit(grad) of sum(model(x)) (parameters
-    and input)."""
-    params, static = eqx.partition(model, eqx.is_array)
-    fn = jax.jit(jax.grad(lambda p, v: jnp.sum(eqx.combine(p, static)(v)), argnums=(0, 1)))
-    return fn.lower(params, x).compile().as_text().count('custom_call_target="vjpmpi_allreduce"')
+    w, b = np.asarray(dense.weight), np.asarray(dense.bias)
+    want = w @ x + b
+    y, g, gx = run(layer, xin)
+    close(y, want)
+    c = np.cos(want)
+    close(gx, shard_rows(w.T @ c) if parallel_in else w.T @ c)
+    close(g.weight, shard_rows(np.outer(c, x), axis=1))
+    close(g.bias, c)
+    back = to_dense(layer)
+    close(back.weight, dense.weight)
+    assert_trees_close(params(back), params(dense))
 
 
 @pytest.mark.parametrize("depth, use_bias", [(0, True), (1, True), (2, False), (3, True)])
 def test_parallel_mlp_any_depth_equals_dense(depth, use_bias):
-    mlp = eqx.nn.MLP(6, 3, F, depth=depth, activation=jnp.tanh, final_activation=jax.nn.sigmoid,
-                     use_bias=use_bias, use_final_bias=not use_bias, key=jax.random.PRNGKey(5))
+    mlp = fresh(eqx.nn.MLP, 6, 3, F, depth=depth, activation=jnp.tanh,
+                final_activation=jax.nn.sigmoid, use_bias=use_bias,
+                use_final_bias=not use_bias, seed=5)
     layer = vnn.ParallelMLP.from_dense(mlp)
-    x = jax.random.normal(jax.random.PRNGKey(6), (6,))
-    close(eqx.filter_jit(layer)(x), mlp(x))
-    (g, gx), (gd, gxd) = grads(layer, x), grads(mlp, x)
+    x = arr(6, 6)
+    y, g, gx = run(layer, x)
+    back = to_dense(layer)  # the round trip gives the dense layer back
+    yd, gd, gxd, y_back = on_one_rank(lambda: (*run(mlp, x), run(back, x)[0]))
+    close(y, yd)
     close(gx, gxd)
     for i, (mine, ref) in enumerate(zip(g.layers[0].layers if depth == 0 else g.layers,
-                                        gd.layers)):
+                                        gd.layers, strict=True)):
         pair, last = i % 2, i + 1 == len(gd.layers)
         if last and i % 2 == 0:  # unpaired last layer: whole on every rank
             close(mine.weight, ref.weight)
@@ -97,13 +209,12 @@ def test_parallel_mlp_any_depth_equals_dense(depth, use_bias):
             close(mine.weight, shard_rows(ref.weight, axis=pair))
             if ref.bias is not None:
                 close(mine.bias, ref.bias if pair else shard_rows(ref.bias))
-    back = layer.to_dense()  # the round trip gives the dense layer back
+    assert_trees_close(g, sharded_as(g, gd))  # every parameter, none missing
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(mlp)
-    for a, b in zip(*(jax.tree_util.tree_leaves(eqx.filter(m, eqx.is_array)) for m in (back, mlp))):
-        close(a, b)
-    close(back(x), mlp(x))
+    assert_trees_close(params(back), params(mlp))
+    close(y_back, yd)  # back(x) == mlp(x)
     # one allreduce forward and one backward per column/row pair
-    assert allreduces_in_grad(layer, x) == 2 * (len(mlp.layers) // 2)
+    assert allreduces(layer, x) == 2 * (len(mlp.layers) // 2)
 
 
 def test_parallel_mlp_init_from_key_and_unsplittable_mlps():
@@ -113,22 +224,69 @@ def test_parallel_mlp_init_from_key_and_unsplittable_mlps():
     layer = vnn.ParallelMLP(6, 3, F, jnp.tanh, depth=2, key=jax.random.PRNGKey(8))
     close(layer.to_dense().layers[1].weight,
           eqx.nn.MLP(6, 3, F, 2, activation=jnp.tanh, key=jax.random.PRNGKey(8)).layers[1].weight)
-    learnt = eqx.nn.MLP(6, 3, F, 1, activation=eqx.nn.PReLU(), key=jax.random.PRNGKey(8))
+    # (query size F: the projections have the (F, F) weights drawn just above, no new
+    # jax.random program to compile)
+    attn = vnn.ParallelMultiheadAttention(HEADS, F, key=jax.random.PRNGKey(22))
+    assert_trees_close(params(attn.to_dense()),
+                       params(eqx.nn.MultiheadAttention(HEADS, F, key=jax.random.PRNGKey(22))))
+    learnt = fresh(eqx.nn.MLP, 6, 3, F, 1, activation=eqx.nn.PReLU(), seed=8)
     with pytest.raises(ValueError, match=r"ParallelMLP: a learnt activation"):
         vnn.ParallelMLP.from_dense(learnt)
     with pytest.raises(ValueError, match=r"ParallelMLP: .*scalar"):
-        vnn.ParallelMLP.from_dense(eqx.nn.MLP("scalar", 3, F, 1, key=jax.random.PRNGKey(8)))
+        vnn.ParallelMLP.from_dense(fresh(eqx.nn.MLP, "scalar", 3, F, 1, seed=8))
+
+
+# ------------------------------------------------------------- vocabulary --
+@eqx.filter_jit
+def embed(layer, ids):
+    """(the embedding of each id, the gradient of sum(sin(...)) w.r.t. the weights)."""
+
+    def loss(m):
+        y = jax.vmap(m)(ids)
+        return jnp.sum(jnp.sin(y)), y
+
+    (_, y), g = eqx.filter_value_and_grad(loss, has_aux=True)(layer)
+    return y, g
 
 
 def test_vocab_parallel_embedding():
-    dense = eqx.nn.Embedding(F, 4, key=jax.random.PRNGKey(8))
+    w = arr(8, F, 4)
+    dense = eqx.nn.Embedding(weight=jnp.asarray(w))
     layer = vnn.VocabParallelEmbedding.from_dense(dense)
-    ids = jnp.array([0, 3, F - 1, 5, 3])
-    close(eqx.filter_jit(lambda m, v: jax.vmap(m)(v))(layer, ids), jax.vmap(dense)(ids))
-    g = eqx.filter_grad(lambda m: jnp.sum(jnp.sin(jax.vmap(m)(ids))))(layer)
-    gd = eqx.filter_grad(lambda m: jnp.sum(jnp.sin(jax.vmap(m)(ids))))(dense)
-    close(g.weight, shard_rows(gd.weight))
-    close(layer.to_dense().weight, dense.weight)
+    ids = np.array([0, 3, F - 1, 5, 3])
+    y, g = embed(layer, ids)
+    close(y, w[ids])
+    gw = np.zeros_like(w)
+    np.add.at(gw, ids, np.cos(w[ids]))  # each id's rows get cos of its embedding
+    close(g.weight, shard_rows(gw))
+    back = layer.to_dense()  # eager
+    close(back.weight, dense.weight)
+    assert_trees_close(params(back), params(dense))
+
+
+def xent_loss(fn, logits, labels, weights):
+    return jnp.sum(fn(logits, labels) * weights)
+
+
+# the gradient alone: its compiled HLO is checked
+xent_grad = jax.jit(jax.grad(
+    lambda lg, labels, w: xent_loss(vnn.vocab_parallel_cross_entropy, lg, labels, w)))
+
+
+@jax.jit
+def xent_more(shard, t, labels, w):
+    """vocab_parallel_cross_entropy's losses, JVP and Hessian-vector product."""
+    loss = lambda lg: xent_loss(vnn.vocab_parallel_cross_entropy, lg, labels, w)  # noqa: E731
+    return (vnn.vocab_parallel_cross_entropy(shard, labels), jax.jvp(loss, (shard,), (t,))[1],
+            jax.jvp(jax.grad(loss), (shard,), (t,))[1])
+
+
+@jax.jit
+def xent_reference(logits, t, labels, w):
+    """optax's losses, gradient, JVP and Hessian-vector product (one process)."""
+    loss = lambda lg: xent_loss(XENT, lg, labels, w)  # noqa: E731
+    return (XENT(logits, labels), jax.grad(loss)(logits), jax.jvp(loss, (logits,), (t,))[1],
+            jax.jvp(jax.grad(loss), (logits,), (t,))[1])
 
 
 @pytest.mark.parametrize("dtype, scale, tol", [(jnp.float64, 3.0, 1e-12),
@@ -136,56 +294,49 @@ def test_vocab_parallel_embedding():
                                                (jnp.float32, 3.0, 1e-5)])
 def test_vocab_parallel_cross_entropy_equals_optax(dtype, scale, tol):
     vocab = 4 * F  # divisible by 1-4 ranks
-    logits = jax.random.normal(jax.random.PRNGKey(24), (3, 5, vocab), dtype) * scale
-    labels = jax.random.randint(jax.random.PRNGKey(25), (3, 5), 0, vocab)
-    weights = jax.random.uniform(jax.random.PRNGKey(26), (3, 5), dtype)
+    gen = np.random.default_rng(24)
+    logits = (gen.standard_normal((3, 5, vocab)) * scale).astype(dtype)
+    labels = gen.integers(0, vocab, (3, 5))
+    weights = gen.uniform(size=(3, 5)).astype(dtype)
     shard = shard_rows(logits, axis=2)  # this rank's block of the vocabulary
-
-    def loss(fn, lg):
-        return jnp.sum(fn(lg, labels) * weights)
-
-    mine = jax.jit(lambda lg: vnn.vocab_parallel_cross_entropy(lg, labels))(shard)
-    ref = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    close(mine, ref, tol)
-    grad = jax.jit(jax.grad(lambda lg: loss(vnn.vocab_parallel_cross_entropy, lg)))
-    xent = optax.softmax_cross_entropy_with_integer_labels
-    ref_grad = jax.jit(jax.grad(lambda lg: loss(xent, lg)))
-    close(grad(shard), shard_rows(ref_grad(logits), axis=2), tol)
     # forward mode and Hessian-vector products (the same tangent on every rank)
-    t = jax.random.normal(jax.random.PRNGKey(30), logits.shape, dtype)
-    jvp = jax.jit(lambda a, b: jax.jvp(lambda lg: loss(vnn.vocab_parallel_cross_entropy, lg),
-                                       (a,), (b,))[1])
-    ref_jvp = jax.jit(lambda a, b: jax.jvp(lambda lg: loss(xent, lg), (a,), (b,))[1])
-    close(jvp(shard, shard_rows(t, axis=2)), ref_jvp(logits, t), tol)
-    hvp = jax.jit(lambda a, b: jax.jvp(grad, (a,), (b,))[1])
-    ref_hvp = jax.jit(lambda a, b: jax.jvp(ref_grad, (a,), (b,))[1])
-    close(hvp(shard, shard_rows(t, axis=2)), shard_rows(ref_hvp(logits, t), axis=2), tol)
+    t = gen.standard_normal(logits.shape).astype(dtype)
+    mine, jvp, hvp = xent_more(shard, shard_rows(t, axis=2), labels, weights)
+    ref, ref_grad, ref_jvp, ref_hvp = on_one_rank(
+        lambda: xent_reference(logits, t, labels, weights))
+    close(mine, ref, tol)
+    close(xent_grad(shard, labels, weights), shard_rows(ref_grad, axis=2), tol)
+    close(jvp, ref_jvp, tol)
+    close(hvp, shard_rows(ref_hvp, axis=2), tol)
     # two small allreduces forward (the maximum; the sums), none backward, no gather
-    text = grad.lower(shard).compile().as_text()
-    assert text.count('custom_call_target="vjpmpi_allreduce"') == 2
+    text = xent_grad.lower(shard, labels, weights).compile().as_text()
+    assert text.count(ALLREDUCE) == 2
     assert "vjpmpi_allgather" not in text
+
+
+@eqx.filter_jit
+def head_loss(layer, h, labels, fn):
+    """(mean of fn on the layer's logits, its gradient w.r.t. the layer's parameters,
+    w.r.t. h)."""
+    value, (g, gh) = eqx.filter_value_and_grad(
+        lambda mh: jnp.mean(fn(jax.vmap(mh[0])(mh[1]), labels)))((layer, h))
+    return value, g, gh
 
 
 def test_vocab_parallel_head_and_loss_train_like_the_dense_head():
     vocab = 4 * F
-    head = eqx.nn.Linear(8, vocab, key=jax.random.PRNGKey(27))
+    head = fresh(eqx.nn.Linear, 8, vocab, seed=27)
     parallel = vnn.ColumnParallelLinear.from_dense(head)  # logits stay split by vocabulary
-    h = jax.random.normal(jax.random.PRNGKey(28), (5, 8))
-    labels = jax.random.randint(jax.random.PRNGKey(29), (5,), 0, vocab)
-
-    def loss(layer, hh, fn):
-        return jnp.mean(fn(jax.vmap(layer)(hh), labels))
-
-    both = eqx.filter_jit(lambda m, v, fn: (eqx.filter_grad(loss)(m, v, fn),
-                                            jax.grad(loss, 1)(m, v, fn)))
-    xent = optax.softmax_cross_entropy_with_integer_labels
-    (g, gh), (gd, ghd) = both(parallel, h, vnn.vocab_parallel_cross_entropy), both(head, h, xent)
-    close(loss(parallel, h, vnn.vocab_parallel_cross_entropy), loss(head, h, xent))
+    h = arr(28, 5, 8)
+    labels = np.random.default_rng(29).integers(0, vocab, (5,))
+    loss, g, gh = head_loss(parallel, h, labels, vnn.vocab_parallel_cross_entropy)
+    loss_d, gd, ghd = on_one_rank(lambda: head_loss(head, h, labels, XENT))
+    close(loss, loss_d)
     close(gh, ghd)
     close(g.weight, shard_rows(gd.weight))
     close(g.bias, shard_rows(gd.bias))
     with pytest.raises(ValueError, match=r"vocab_parallel_cross_entropy: labels of shape"):
-        vnn.vocab_parallel_cross_entropy(jnp.zeros((5, F)), labels[:3])
+        vnn.vocab_parallel_cross_entropy(np.zeros((5, F)), labels[:3])
 
 
 def test_uneven_split_is_a_clear_error():
@@ -193,66 +344,122 @@ def test_uneven_split_is_a_clear_error():
         pytest.skip("any feature count divides 1 rank")
     with pytest.raises(ValueError, match=r"vjpmpi\.nn\.ColumnParallelLinear: out_features=\d+ "
                                          r"is not divisible by the communicator size"):
-        vnn.ColumnParallelLinear(3, size * 2 + 1, key=jax.random.PRNGKey(0))
+        # traced, not run: the check is at construction (nothing drawn or compiled)
+        eqx.filter_eval_shape(lambda k: vnn.ColumnParallelLinear(3, size * 2 + 1, key=k),
+                              _SHAPES_KEY)
 
 
 def test_float32_equivalence():
-    dense = eqx.nn.MLP(6, 3, F, depth=1, key=jax.random.PRNGKey(9), dtype=jnp.float32)
+    dense = fresh(eqx.nn.MLP, 6, 3, F, depth=1, dtype=jnp.float32, seed=9)
     layer = vnn.ParallelMLP.from_dense(dense)
-    x = jax.random.normal(jax.random.PRNGKey(10), (6,), jnp.float32)
-    np.testing.assert_allclose(layer(x), dense(x), rtol=1e-5, atol=1e-6)
-    (g, gx), (gd, gxd) = grads(layer, x), grads(dense, x)
+    x = arr(10, 6, dtype=np.float32)
+    y, g, gx = run(layer, x)
+    yd, gd, gxd = on_one_rank(lambda: run(dense, x))
+    assert y.dtype == gx.dtype == g.layers[0].weight.dtype == jnp.float32
+    np.testing.assert_allclose(y, yd, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(gx, gxd, rtol=1e-5, atol=1e-6)
+    assert_trees_close(g, sharded_as(g, gd), rtol=1e-5, atol=1e-6)
 
 
 def test_allreduce_gradients_one_call_per_dtype_and_optax():
-
-    tree = {"a": jnp.full(3, rank + 1.0), "b": [jnp.ones((2, 2)) * rank, jnp.arange(2.0)],
-            "c": jnp.ones(2, jnp.float32) * rank, "n": 7}
+    a = jnp.asarray  # (no compile: the arrays are made by NumPy)
+    tree = {"a": a(np.full(3, rank + 1.0)), "b": [a(np.ones((2, 2)) * rank), a(np.arange(2.0))],
+            "c": a(np.ones(2, np.float32) * rank), "n": 7}
     calls = kernel_calls()[0]
     out = vnn.allreduce_gradients(tree)
     assert kernel_calls()[0] - calls == 2  # float64 group + float32 group
     close(out["a"], np.full(3, (size + 1) / 2))
     close(out["b"][0], np.ones((2, 2)) * (size - 1) / 2)
     assert out["c"].dtype == jnp.float32 and out["n"] == 7
+    half = (size - 1) / 2  # the mean of the ranks
+    assert_trees_close(out, {"a": np.full(3, (size + 1) / 2),
+                             "b": [np.ones((2, 2)) * half, np.arange(2.0)],
+                             "c": np.ones(2, np.float32) * half, "n": 7})
     summed = vnn.allreduce_gradients(tree, mean=False)
     close(summed["a"], np.full(3, size * (size + 1) / 2))
+    assert_trees_close(summed, {"a": np.full(3, size * (size + 1) / 2),
+                                "b": [np.ones((2, 2)) * size * half, size * np.arange(2.0)],
+                                "c": np.ones(2, np.float32) * size * half, "n": 7})
     # data-parallel SGD with optax: every rank ends with the same parameters
-    params = {"w": jnp.ones(3)}
+    params_ = {"w": a(np.ones(3))}
     opt = optax.sgd(0.1)
-    state = opt.init(params)
-    for _ in range(3):
-        g = jax.grad(lambda p: jnp.sum((p["w"] * (rank + 1)) ** 2))(params)
-        updates, state = opt.update(vnn.allreduce_gradients(g), state)
-        params = optax.apply_updates(params, updates)
-    assert all(np.allclose(p, params["w"]) for p in WORLD.allgather(np.asarray(params["w"])))
+    state = opt.init(params_)
+
+    @jax.jit
+    def step(p, s):
+        g = vnn.allreduce_gradients(jax.grad(lambda q: jnp.sum((q["w"] * (rank + 1)) ** 2))(p))
+        updates, s = opt.update(g, s)
+        return optax.apply_updates(p, updates), s, g
+
+    # the single-process gradient of the mean over ranks of sum((w (r+1))^2): 2 c w
+    c = np.mean(np.arange(1, size + 1) ** 2)
+    for k in range(3):
+        params_, state, g = step(params_, state)
+        assert_trees_close(g, {"w": np.full(3, 2 * c * (1 - 0.2 * c) ** k)})
+    close(params_["w"], np.full(3, (1 - 0.2 * c) ** 3))
+    assert all(np.allclose(p, params_["w"]) for p in WORLD.allgather(np.asarray(params_["w"])))
     assert isinstance(_mpi.as_comm(None, "x"), _mpi.CommRef)
 
 
+# ---------------------------------------------------------------- attention --
+@eqx.filter_jit
+def attention_step(m, state, q, kv, mask, key, scale):
+    """m(q, kv, kv, mask, key=key) and the gradient of scale * sum(sin(...)) w.r.t. m's
+    parameters and w.r.t. q, in one program; with an Adam `state`, also one Adam step
+    of m (and the new state): the same program checks and trains."""
+
+    def loss(mq):
+        out = mq[0](mq[1], kv, kv, mask, key=key)
+        return scale * jnp.sum(jnp.sin(out)), out
+
+    (_, out), (g, gq) = eqx.filter_value_and_grad(loss, has_aux=True)((m, q))
+    return (out, g, gq) + (() if state is None else adam_update(m, g, state))
+
+
 @pytest.mark.parametrize("mask_kind, dropout, bias", [
-    ("none", 0.0, False), ("2d", 0.0, True), ("per-head", 0.0, False),
-    pytest.param("2d", 0.3, True, marks=END_TO_END),
-    pytest.param("per-head", 0.3, False, marks=END_TO_END)])
+    ("none", 0.0, False), ("2d", 0.0, True), ("per-head", 0.0, False), ("2d", 0.3, True),
+    ("per-head", 0.3, False)])
 def test_parallel_multihead_attention_equals_dense(mask_kind, dropout, bias):
-    heads = 3 if size == 3 else 4  # divisible by the rank count
-    dense = eqx.nn.MultiheadAttention(heads, 8, qk_size=3, vo_size=2, use_query_bias=bias,
-                                      use_value_bias=bias, use_output_bias=bias,
-                                      dropout_p=dropout, key=jax.random.PRNGKey(11))
+    dense = fresh(eqx.nn.MultiheadAttention, HEADS, 8, qk_size=3, vo_size=2,
+                  use_query_bias=bias, use_value_bias=bias, use_output_bias=bias,
+                  dropout_p=dropout, seed=11)
     layer = vnn.ParallelMultiheadAttention.from_dense(dense)
-    q = jax.random.normal(jax.random.PRNGKey(12), (5, 8))
-    kv = jax.random.normal(jax.random.PRNGKey(13), (6, 8))
-    mask = {"none": None, "2d": jnp.tril(jnp.ones((5, 6), bool)),
-            "per-head": jax.random.bernoulli(jax.random.PRNGKey(19), 0.7, (heads, 5, 6))
-            .at[:, :, 0].set(True)}[mask_kind]
+    q, kv = arr(12, 5, 8), arr(13, 6, 8)
+    per_head = np.random.default_rng(19).random((HEADS, 5, 6)) < 0.7
+    per_head[:, :, 0] = True
+    mask = {"none": None, "2d": np.tril(np.ones((5, 6), bool)), "per-head": per_head}[mask_kind]
     drop_key = jax.random.PRNGKey(20)  # dropout: the same per-head keys as the dense layer
-    call = lambda m, a: m(a, kv, kv, mask, key=drop_key)  # noqa: E731
-    close(eqx.filter_jit(call)(layer, q), call(dense, q))
+    one, trains = np.asarray(1.0), dropout and mask_kind == "per-head"
+    mean = np.asarray(1 / (q.shape[0] * 8))  # the training loss: mean(sin(attention))
 
-    def loss(m, a):
-        return jnp.sum(jnp.sin(call(m, a)))
+    def train(m):  # 10 Adam steps, a new dropout key each: (trained m, each step's gradient)
+        state, grads = adam_state(m), []
+        for i in range(10):
+            _, g_i, _, m, state = attention_step(m, state, q, kv, mask,
+                                                 jax.random.PRNGKey(100 + i), mean)
+            grads.append(g_i)
+        return m, grads
 
-    both = eqx.filter_jit(lambda m, a: (eqx.filter_grad(loss)(m, a), jax.grad(loss, 1)(m, a)))
-    (g, gq), (gd, gqd) = both(layer, q), both(dense, q)
+    out, g, gq, *_ = attention_step(layer, adam_state(layer) if trains else None, q, kv, mask,
+                                    drop_key, one)
+    back = to_dense(layer)
+    if trains:
+        trained, grads = train(layer)
+        trained = to_dense(trained)
+
+    def reference():  # the dense layer on one process
+        state_d = adam_state(dense) if trains else None
+        out_d, gd, gqd, *_ = attention_step(dense, state_d, q, kv, mask, drop_key, one)
+        ref = {"out": out_d, "g": gd, "gq": gqd,
+               "back": attention_step(back, state_d, q, kv, mask, drop_key, one)[0]}
+        if trains:
+            ref["trained"], ref["grads"] = train(dense)
+            ref["trained"] = params(ref["trained"])
+        return ref
+
+    ref = on_one_rank(reference)
+    out_d, gd, gqd = ref["out"], ref["g"], ref["gq"]
+    close(out, out_d)
     close(gq, gqd)
     close(g.query_proj.weight, shard_rows(gd.query_proj.weight))
     close(g.value_proj.weight, shard_rows(gd.value_proj.weight))
@@ -260,55 +467,40 @@ def test_parallel_multihead_attention_equals_dense(mask_kind, dropout, bias):
     if bias:
         close(g.value_proj.bias, shard_rows(gd.value_proj.bias))
         close(g.output_proj.bias, gd.output_proj.bias)
-    back = layer.to_dense()
+    assert_trees_close(g, sharded_as(g, gd))  # every projection, the key's included
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(dense)
-    for a, b in zip(*(jax.tree_util.tree_leaves(eqx.filter(m, eqx.is_array)) for m in (back, dense))):
-        close(a, b)
-    close(call(back, q), call(dense, q))
-    if dropout and mask_kind == "per-head":  # 10 Adam steps, a new dropout key each
-        def train(m):
-            opt = optax.adam(1e-2)
-            state = opt.init(eqx.filter(m, eqx.is_inexact_array))
-
-            @eqx.filter_jit
-            def step(m, s, k):
-                g = eqx.filter_grad(lambda mm: jnp.mean(jnp.sin(mm(q, kv, kv, mask, key=k))))(m)
-                u, s = opt.update(g, s, m)
-                return eqx.apply_updates(m, u), s
-
-            for i in range(10):
-                m, state = step(m, state, jax.random.PRNGKey(100 + i))
-            return m
-
-        trained, ref = train(layer).to_dense(), train(dense)
-        for a, b in zip(*(jax.tree_util.tree_leaves(eqx.filter(m, eqx.is_inexact_array))
-                          for m in (trained, ref))):
-            close(a, b, 1e-10)
+    assert_trees_close(params(back), params(dense))
+    close(ref["back"], out_d)  # back(q, kv, kv) == dense(q, kv, kv)
+    if trains:
+        # Adam's steps do not change when a gradient is scaled: compare the gradients too
+        for k, (g_k, gd_k) in enumerate(zip(grads, ref["grads"], strict=True)):
+            assert_trees_close(g_k, sharded_as(g_k, gd_k), 1e-10, what=f"step {k}: leaf")
+        assert_trees_close(params(trained), ref["trained"], 1e-10)
 
 
 def test_attention_bad_masks_are_clear_errors():
-    layer = vnn.ParallelMultiheadAttention(4 if size != 3 else 3, 8, key=jax.random.PRNGKey(21))
-    x = jnp.ones((5, 8))
+    layer = vnn.ParallelMultiheadAttention.from_dense(
+        fresh(eqx.nn.MultiheadAttention, HEADS, 8, seed=21))
+    x = np.ones((5, 8))
     with pytest.raises(ValueError, match=r"ParallelMultiheadAttention: mask must have shape"):
-        layer(x, x, x, jnp.ones((1, 5), bool))
+        layer(x, x, x, np.ones((1, 5), bool))
     with pytest.raises(ValueError, match=r"ParallelMultiheadAttention: a 3-D mask must have "
                                          r"num_heads=\d rows"):
-        layer(x, x, x, jnp.ones((2, 5, 5), bool))
+        layer(x, x, x, np.ones((2, 5, 5), bool))
 
 
 def test_self_attention_runs_one_backward_allreduce():
-    heads = 3 if size == 3 else 4
-    attn = vnn.ParallelMultiheadAttention(heads, 8, key=jax.random.PRNGKey(22))
-    x, y = jnp.ones((5, 8)), jnp.full((5, 8), 2.0)
+    attn = vnn.ParallelMultiheadAttention.from_dense(
+        fresh(eqx.nn.MultiheadAttention, HEADS, 8, seed=22))
+    x, y = np.ones((5, 8)), np.full((5, 8), 2.0)
     # forward: the output projection's sum; backward: one per distinct input
-    assert allreduces_in_grad(lambda v: attn(v, v, v), x) == 2
-    assert allreduces_in_grad(lambda v: (lambda kv: attn(v, kv, kv))(y * v), x) == 3  # kv: one
-    assert allreduces_in_grad(lambda v: attn(v, y * v, 2 * v), x) == 4
+    assert allreduces(lambda v: attn(v, v, v), x) == 2
+    assert allreduces(lambda v: (lambda kv: attn(v, kv, kv))(y * v), x) == 3  # kv: one
+    assert allreduces(lambda v: attn(v, y * v, 2 * v), x) == 4
     # a transformer block: attention and MLP, one allreduce forward and one backward each
-    k = jax.random.split(jax.random.PRNGKey(23), 2)
-    block = Block(eqx.nn.LayerNorm(8), attn, eqx.nn.LayerNorm(8),
-                  vnn.ParallelMLP.from_dense(eqx.nn.MLP(8, 8, F, depth=1, key=k[0])))
-    assert allreduces_in_grad(block, x) == 4
+    block = Block(fresh(eqx.nn.LayerNorm, 8, seed=23), attn, fresh(eqx.nn.LayerNorm, 8, seed=24),
+                  vnn.ParallelMLP.from_dense(fresh(eqx.nn.MLP, 8, 8, F, depth=1, seed=25)))
+    assert allreduces(block, x) == 4
 
 
 class Block(eqx.Module):
@@ -325,52 +517,59 @@ class Block(eqx.Module):
         return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
 
 
-@END_TO_END
+def block_mse(model, x, target):
+    out = model(x)
+    return jnp.mean((out - target) ** 2), out
+
+
+block_step = adam_step(block_mse)
+
+
 def test_transformer_block_20_optax_steps_matches_single_process():
-    k = jax.random.split(jax.random.PRNGKey(14), 3)
-    d = 8
-    dense = Block(eqx.nn.LayerNorm(d), eqx.nn.MultiheadAttention(4 if size != 3 else 3, d, key=k[0]),
-                  eqx.nn.LayerNorm(d), eqx.nn.MLP(d, d, F, depth=1, key=k[1]))
-    dense = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32) if eqx.is_inexact_array(a) else a,
-                                   dense)
+    d, f32 = 8, jnp.float32
+    dense = Block(fresh(eqx.nn.LayerNorm, d, dtype=f32, seed=14),
+                  fresh(eqx.nn.MultiheadAttention, HEADS, d, dtype=f32, seed=15),
+                  fresh(eqx.nn.LayerNorm, d, dtype=f32, seed=16),
+                  fresh(eqx.nn.MLP, d, d, F, depth=1, dtype=f32, seed=17))
     parallel = Block(dense.norm1, vnn.ParallelMultiheadAttention.from_dense(dense.attn), dense.norm2,
                      vnn.ParallelMLP.from_dense(dense.mlp))
-    x = jax.random.normal(k[2], (6, d), jnp.float32)
-    target = jnp.cos(x)
+    x = arr(18, 6, d, dtype=np.float32)
+    target = np.cos(x)
 
-    def run(model):
-        opt = optax.adam(1e-2)
-        state = opt.init(eqx.filter(model, eqx.is_inexact_array))
-
-        @eqx.filter_jit
-        def step(m, s):
-            g = eqx.filter_grad(lambda mm: jnp.mean((mm(x) - target) ** 2))(m)
-            u, s = opt.update(g, s, m)
-            return eqx.apply_updates(m, u), s
-
+    def run20(model):
+        state, grads = adam_state(model), []
         for _ in range(20):
-            model, state = step(model, state)
-        return model
+            _, g, model, state = block_step(model, state, x, target)
+            grads.append(g)
+        return model, grads
 
     # full float32 matmuls: on GPUs XLA's default uses TF32, whose rounding differs
     # between the split and the dense products by more than the tolerance below
+    def reference():  # the dense block on one process
+        with jax.default_matmul_precision("float32"):
+            ref, grads_d = run20(dense)
+        return params(ref), grads_d
+
     with jax.default_matmul_precision("float32"):
-        trained, ref = run(parallel), run(dense)
-    gathered = Block(trained.norm1, trained.attn.to_dense(), trained.norm2, trained.mlp.to_dense())
-    for a, b in zip(jax.tree_util.tree_leaves(eqx.filter(gathered, eqx.is_inexact_array)),
-                    jax.tree_util.tree_leaves(eqx.filter(ref, eqx.is_inexact_array))):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        trained, grads = run20(parallel)
+    gathered = Block(trained.norm1, to_dense(trained.attn), trained.norm2, to_dense(trained.mlp))
+    ref, grads_d = on_one_rank(reference)
+    # Adam's steps do not change when a gradient is scaled: compare the gradients too
+    for k, (g, gd) in enumerate(zip(grads, grads_d, strict=True)):
+        assert_trees_close(g, sharded_as(g, gd), rtol=1e-4, atol=1e-5, what=f"step {k}: leaf")
+    assert_trees_close(params(gathered), ref, rtol=1e-4, atol=1e-5)
 
 
 def test_layers_under_filter_vmap():
-    dense = eqx.nn.Linear(5, F, key=jax.random.PRNGKey(15))
+    dense = fresh(eqx.nn.Linear, 5, F, seed=15)
     layer = vnn.ColumnParallelLinear.from_dense(dense, gather_output=True)
-    xs = jax.random.normal(jax.random.PRNGKey(16), (7, 5))
-    close(eqx.filter_vmap(layer)(xs), jax.vmap(dense)(xs))
-    row = vnn.RowParallelLinear.from_dense(eqx.nn.Linear(F, 3, key=jax.random.PRNGKey(17)),
-                                           input_is_parallel=False)
-    ys = jax.random.normal(jax.random.PRNGKey(18), (7, F))
-    close(eqx.filter_jit(eqx.filter_vmap(row))(ys), jax.vmap(row.to_dense())(ys))
+    xs = arr(16, 7, 5)
+    close(eqx.filter_vmap(layer)(xs), xs @ np.asarray(dense.weight).T + np.asarray(dense.bias))
+    row_dense = fresh(eqx.nn.Linear, F, 3, seed=17)
+    row = vnn.RowParallelLinear.from_dense(row_dense, input_is_parallel=False)
+    ys = arr(18, 7, F)
+    close(eqx.filter_jit(eqx.filter_vmap(row))(ys),
+          ys @ np.asarray(row_dense.weight).T + np.asarray(row_dense.bias))
 
 
 # ------------------------------------------------------ sequence parallelism --
@@ -383,65 +582,79 @@ class SequenceParallelBlock(Block):
         return x + self.mlp.sequence_parallel(jax.vmap(vnn.replicated(self.norm2))(x))
 
 
-@pytest.mark.parametrize("depth", [1, pytest.param(2, marks=END_TO_END)])
+class Causal(eqx.Module):
+    """The dense or tensor-parallel block with an attention mask."""
+
+    inner: Block
+
+    def __call__(self, v, mask):
+        h = jax.vmap(self.inner.norm1)(v)
+        v = v + self.inner.attn(h, h, h, mask)
+        return v + jax.vmap(self.inner.mlp)(jax.vmap(self.inner.norm2)(v))
+
+
+def full_mse(model, x, target, mask):
+    out = Causal(model)(x, mask)
+    return jnp.mean((out - target) ** 2), out
+
+
+def sequence_mse(model, x_block, target_block, mask, n):
+    """The global mean squared error, one replicated value, from this rank's block."""
+    out = model(x_block, mask)
+    return vjpmpi.sum_replicated(jnp.sum((out - target_block) ** 2)) / n, out
+
+
+full_step, sequence_step = adam_step(full_mse), adam_step(sequence_mse)
+
+
+def as_block(tree):
+    return Block(tree.norm1, tree.attn, tree.norm2, tree.mlp)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
 def test_sequence_parallel_block_equals_the_block(depth):
-    k = jax.random.split(jax.random.PRNGKey(31), 3)
-    d, seq, heads = 8, 12, 3 if size == 3 else 4  # seq divisible by 1-4 ranks
-    dense = Block(eqx.nn.LayerNorm(d), eqx.nn.MultiheadAttention(heads, d, use_output_bias=True,
-                                                                  key=k[0]),
-                  eqx.nn.LayerNorm(d), eqx.nn.MLP(d, d, F, depth=depth, key=k[1]))
+    d, seq = 8, 12  # seq divisible by 1-4 ranks
+    dense = Block(fresh(eqx.nn.LayerNorm, d, seed=31),
+                  fresh(eqx.nn.MultiheadAttention, HEADS, d, use_output_bias=True, seed=32),
+                  fresh(eqx.nn.LayerNorm, d, seed=33), fresh(eqx.nn.MLP, d, d, F, depth=depth,
+                                                             seed=34))
     tp = Block(dense.norm1, vnn.ParallelMultiheadAttention.from_dense(dense.attn), dense.norm2,
                vnn.ParallelMLP.from_dense(dense.mlp))
     sp = SequenceParallelBlock(tp.norm1, tp.attn, tp.norm2, tp.mlp)
-    x = jax.random.normal(k[2], (seq, d))
-    target = jnp.cos(3 * x)
-    mask = jnp.tril(jnp.ones((seq, seq), bool))
-    blk = lambda a: shard_rows(a)  # noqa: E731  (this rank's block of the sequence)
+    x = arr(35, seq, d)
+    target = np.cos(3 * x)
+    mask = np.tril(np.ones((seq, seq), bool))
+    sp_data = (shard_rows(x), shard_rows(target), mask, target.size)  # this rank's block
 
-    class Causal(eqx.Module):  # the dense and tensor-parallel blocks with the mask
-        inner: Block
+    def train(model, step, *data):  # 10 Adam steps: [(output, gradient)], trained model
+        state, seen = adam_state(model), []
+        for _ in range(10):
+            out, g, model, state = step(model, state, *data)
+            seen.append((out, g))
+        return seen, model
 
-        def __call__(self, v):
-            h = jax.vmap(self.inner.norm1)(v)
-            v = v + self.inner.attn(h, h, h, mask)
-            return v + jax.vmap(self.inner.mlp)(jax.vmap(self.inner.norm2)(v))
+    sp_seen, trained = train(sp, sequence_step, *sp_data)
+    _, g_tp, _, _ = full_step(tp, adam_state(tp), x, target, mask)
+    gathered = Block(trained.norm1, to_dense(trained.attn), trained.norm2, to_dense(trained.mlp))
 
-    close(eqx.filter_jit(lambda m, v: m(v, mask))(sp, blk(x)), blk(Causal(dense)(x)))
+    def reference():  # the dense block trained on one process
+        seen, ref = train(dense, full_step, x, target, mask)
+        return seen, params(ref)
 
-    def loss_sp(m):  # the global mean squared error, one replicated value
-        local = jnp.sum((m(blk(x), mask) - blk(target)) ** 2)
-        return vjpmpi.sum_replicated(local) / target.size
-
-    def loss_full(m):
-        return jnp.mean((Causal(m)(x) - target) ** 2)
-
-    g_sp = eqx.filter_jit(eqx.filter_grad(loss_sp))(sp)
-    g_tp = eqx.filter_jit(eqx.filter_grad(loss_full))(tp)
-    for a, b in zip(*(jax.tree_util.tree_leaves(eqx.filter(g, eqx.is_inexact_array))
-                      for g in (g_sp, g_tp))):
-        close(a, b)
+    dense_seen, ref = on_one_rank(reference)
+    (out_sp, g_sp), (out_d, g_d) = sp_seen[0], dense_seen[0]  # before the first step
+    close(out_sp, shard_rows(out_d))
+    assert_trees_close(params(as_block(g_sp)), params(g_tp))
+    # ... and the single-process gradient: both distributed ones scaled alike would pass above
+    assert_trees_close(as_block(g_sp), sharded_as(as_block(g_sp), g_d))
     # the tensor-parallel layers' collectives become allgathers and reduce_scatters
-    params, static = eqx.partition(sp, eqx.is_inexact_array)
-    text = jax.jit(jax.grad(lambda p: loss_sp(eqx.combine(p, static)))).lower(params).as_text()
+    # (counted in the step's program: its one forward and one backward pass)
+    text = sequence_step.lower(sp, adam_state(sp), *sp_data).as_text()
     pairs = 1 + (len(dense.mlp.layers) // 2)
     assert text.count("vjpmpi_allgather") == text.count("vjpmpi_reduce_scatter") == 2 * pairs
 
-    # 10 Adam steps, against the dense block trained on one process
-    def run(model, loss):
-        opt = optax.adam(1e-2)
-        state = opt.init(eqx.filter(model, eqx.is_inexact_array))
-
-        @eqx.filter_jit
-        def step(m, s):
-            u, s = opt.update(eqx.filter_grad(loss)(m), s, m)
-            return eqx.apply_updates(m, u), s
-
-        for _ in range(10):
-            model, state = step(model, state)
-        return model
-
-    trained, ref = run(sp, loss_sp), run(dense, loss_full)
-    gathered = Block(trained.norm1, trained.attn.to_dense(), trained.norm2, trained.mlp.to_dense())
-    for a, b in zip(*(jax.tree_util.tree_leaves(eqx.filter(m, eqx.is_inexact_array))
-                      for m in (gathered, ref))):
-        close(a, b, 1e-9)
+    # 10 Adam steps, against the dense block trained on one process; Adam's steps do
+    # not change when a gradient is scaled: compare every step's gradient too
+    for k, ((_, g), (_, gd)) in enumerate(zip(sp_seen, dense_seen, strict=True)):
+        assert_trees_close(as_block(g), sharded_as(as_block(g), gd), 1e-9, what=f"step {k}: leaf")
+    assert_trees_close(params(gathered), ref, 1e-9)

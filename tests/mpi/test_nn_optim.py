@@ -1,6 +1,10 @@
 """vjpmpi.nn.sharded_optimizer (ZeRO 1/2): step for step equal to plain data
 parallelism (allreduce_gradients + the same optax optimizer), with 1/size of the
-optimizer state per rank."""
+optimizer state per rank; both against the single-process full-batch gradient (Adam
+and RMSprop steps do not change when the gradient is scaled, so a gradient "times size"
+bug in both paths would pass the step-for-step comparison alone)."""
+
+import functools
 
 import equinox as eqx
 import jax
@@ -11,26 +15,35 @@ import pytest
 
 import vjpmpi.nn as vnn
 
-from helpers import WORLD, rng
+from helpers import WORLD, fresh, rng
 
 rank, size = WORLD.rank, WORLD.size
 
 
+def batch_loss(p, static, x, y):
+    out = jax.vmap(eqx.combine(p["mlp"], static))(x)
+    return jnp.mean((out - y) ** 2) + jnp.sum(p["scale"].astype(jnp.float64) ** 2 * 1e-2)
+
+
+@functools.cache
 def model_and_data():
     """A float64 MLP and a float32 vector (two dtype groups, sizes the rank counts do not
-    divide) and this rank's own batch."""
-    mlp = eqx.nn.MLP(5, 2, 7, depth=2, key=jax.random.PRNGKey(0))
+    divide), this rank's own batch, and the single-process gradient on every rank's batch
+    together: (parameters, this rank's loss, full-batch gradient)."""
+    mlp = fresh(eqx.nn.MLP, 5, 2, 7, depth=2, seed=0)
     params = {"mlp": eqx.filter(mlp, eqx.is_inexact_array),
-              "scale": jnp.linspace(0.5, 1.5, 3, dtype=jnp.float32)}
+              "scale": jnp.asarray(np.linspace(0.5, 1.5, 3, dtype=np.float32))}
     static = eqx.filter(mlp, eqx.is_inexact_array, inverse=True)
     gen = rng(40)
-    x, y = jnp.asarray(gen.standard_normal((6, 5))), jnp.asarray(gen.standard_normal((6, 2)))
+    x, y = gen.standard_normal((6, 5)), gen.standard_normal((6, 2))
 
     def loss(p):
-        out = jax.vmap(eqx.combine(p["mlp"], static))(x)
-        return jnp.mean((out - y) ** 2) + jnp.sum(p["scale"].astype(jnp.float64) ** 2 * 1e-2)
+        return batch_loss(p, static, x, y)
 
-    return params, loss
+    # equal batches: the mean of the ranks' losses is the loss of all batches together
+    xs, ys = (np.concatenate(WORLD.allgather(a)) for a in (x, y))
+    full = eqx.filter_jit(jax.grad(batch_loss))(params, static, xs, ys)
+    return params, loss, full
 
 
 def train(opt, params, loss, sync, steps=12):
@@ -49,6 +62,25 @@ def train(opt, params, loss, sync, steps=12):
     return history, state
 
 
+def first_update(params, history):
+    """What the first step added to the parameters (NumPy)."""
+    return jax.tree_util.tree_map(lambda a, b: np.asarray(b) - np.asarray(a), params, history[0])
+
+
+def tol(dtype):
+    return 1e-12 if dtype == jnp.float64 else 2e-6
+
+
+def assert_close_per_dtype(got, want, what):
+    """Trees equal in structure (none empty), leaf by leaf to its dtype's tolerance."""
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want), what
+    for i, (u, v) in enumerate(zip(jax.tree_util.tree_leaves(want),
+                                   jax.tree_util.tree_leaves(got), strict=True)):
+        np.testing.assert_allclose(v, u, rtol=tol(u.dtype), atol=tol(u.dtype),
+                                   err_msg=f"{what}, leaf {i}")
+    assert jax.tree_util.tree_leaves(want), f"{what}: no leaves"
+
+
 OPTIMIZERS = {
     "sgd-momentum": lambda: optax.sgd(0.05, momentum=0.9),
     "adam": lambda: optax.adam(1e-2),
@@ -60,25 +92,40 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_sharded_optimizer_equals_data_parallel_step_for_step(name):
-    params, loss = model_and_data()
+    params, loss, full = model_and_data()
     plain, _ = train(OPTIMIZERS[name](), params, loss, vnn.allreduce_gradients)
     sharded, _ = train(vnn.sharded_optimizer(OPTIMIZERS[name]()), params, loss, lambda g: g)
-    for k, (a, b) in enumerate(zip(plain, sharded)):
-        for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-            tol = 1e-12 if u.dtype == jnp.float64 else 2e-6
-            np.testing.assert_allclose(v, u, rtol=tol, atol=tol, err_msg=f"step {k}")
+    assert len(plain) == len(sharded) == 12
+    for k, (a, b) in enumerate(zip(plain, sharded, strict=True)):
+        assert_close_per_dtype(b, a, f"step {k}")
+    if name == "sgd-momentum":
+        # The first step of either is -lr times the single-process gradient of all the
+        # ranks' batches: the other optimizers' steps do not change when the gradient
+        # is scaled, so a gradient "times size" in both paths passes the loop above.
+        step = jax.tree_util.tree_map(lambda g: -0.05 * np.asarray(g), full)
+        assert_close_per_dtype(first_update(params, plain), step,
+                               "allreduce_gradients + sgd: first update")
+        assert_close_per_dtype(first_update(params, sharded), step,
+                               "sharded_optimizer(sgd): first update")
     # every rank holds the same parameters
     last = np.concatenate([np.ravel(leaf) for leaf in jax.tree_util.tree_leaves(sharded[-1])])
     assert all(np.array_equal(last, other) for other in WORLD.allgather(last))
 
 
 def test_sum_instead_of_mean():
-    params, loss = model_and_data()
+    params, loss, full = model_and_data()
     plain, _ = train(optax.sgd(0.01), params, loss,
                      lambda g: vnn.allreduce_gradients(g, mean=False), steps=3)
     sharded, _ = train(vnn.sharded_optimizer(optax.sgd(0.01), mean=False), params, loss,
                        lambda g: g, steps=3)
-    for u, v in zip(jax.tree_util.tree_leaves(plain[-1]), jax.tree_util.tree_leaves(sharded[-1])):
+    # the sum of the ranks' gradients is size times the full-batch one: sgd's first
+    # step is -0.01 times that, in both paths
+    step = jax.tree_util.tree_map(lambda g: -0.01 * size * np.asarray(g), full)
+    assert_close_per_dtype(first_update(params, plain), step, "first update, summed")
+    assert_close_per_dtype(first_update(params, sharded), step, "sharded first update, summed")
+    assert jax.tree_util.tree_structure(plain[-1]) == jax.tree_util.tree_structure(sharded[-1])
+    for u, v in zip(jax.tree_util.tree_leaves(plain[-1]), jax.tree_util.tree_leaves(sharded[-1]),
+                    strict=True):
         np.testing.assert_allclose(v, u, rtol=1e-6 if u.dtype == jnp.float32 else 1e-12)
 
 
@@ -87,7 +134,7 @@ def nbytes(tree):
 
 
 def test_state_per_rank_is_one_over_size():
-    params, loss = model_and_data()
+    params, _, _ = model_and_data()
     plain = optax.adam(1e-2).init(params)
     sharded = vnn.sharded_optimizer(optax.adam(1e-2)).init(params)
     n = {dt: sum(leaf.size for leaf in jax.tree_util.tree_leaves(params) if leaf.dtype == dt)

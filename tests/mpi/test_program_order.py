@@ -15,6 +15,7 @@ ranks, and its compiled HLO (`jit(f).lower(...).compile().as_text()`) for one ch
 of data dependencies through all collectives (`hlo_order`).
 """
 
+import functools
 import inspect
 import os
 
@@ -46,7 +47,7 @@ def gathered(a):
 def gdot(a, b):
     """Global inner product of two pytrees: local vdots summed over ranks."""
     local = sum(float(np.vdot(np.asarray(u), np.asarray(v)))
-                for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+                for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
     return WORLD.allreduce(local)
 
 
@@ -334,7 +335,7 @@ def _vmap_while_cond(x, z):
 
 def _ref_vmap_while_cond(X, Z):
     outs = [_ref_while_cond([m * v for v in X], [n * v for v in Z]) for m, n in ((1, 1), (2, 3))]
-    return tuple(np.stack(o) for o in zip(*outs))
+    return tuple(np.stack(o) for o in zip(*outs, strict=True))
 
 
 PATTERNS = {
@@ -380,7 +381,24 @@ def weights(tree):
 
 
 def local_loss(f, ws):
-    return lambda x, z: sum(jnp.vdot(w, v) for w, v in zip(ws, floats(f(x, z))))
+    return lambda x, z: sum(jnp.vdot(w, v) for w, v in zip(ws, floats(f(x, z)), strict=True))
+
+
+@functools.cache
+def programs(name):
+    """Pattern `name` compiled once for all the tests that run or inspect it: `f` (the
+    pattern) and `d`, this rank's loss (a weighted sum of its outputs: random weights
+    seeded by rank, none for rank 1's last output) with its derivative: `d(x, z)` ->
+    (loss, (gx, gz)) in reverse mode, or `d(x, z, dx, dz)` -> (loss, directional
+    derivative) for the patterns that reverse mode does not go through."""
+    f, _ = PATTERNS[name]
+    x, z = inputs()
+    loss = local_loss(f, weights(jax.eval_shape(f, x, z)))
+    if name in FORWARD_MODE_ONLY:
+        d = jax.jit(lambda a, b, da, db: jax.jvp(loss, (a, b), (da, db))).lower(x, z, x, z)
+    else:
+        d = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, z)
+    return {"f": jax.jit(f).lower(x, z).compile(), "d": d.compile()}
 
 
 # ------------------------------------------------------------------ tests --
@@ -399,12 +417,12 @@ def test_issue_reproducer():
 
 @pytest.mark.parametrize("name", list(PATTERNS))
 def test_forward(name):
-    f, ref = PATTERNS[name]
+    _, ref = PATTERNS[name]
     x, z = inputs()
-    got = jax.jit(f)(x, z)
+    got = programs(name)["f"](x, z)
     expected = ref(gathered(x), gathered(z))
     assert len(got) == len(expected)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(np.asarray(g), e, rtol=1e-12, atol=1e-12)
 
 
@@ -413,40 +431,34 @@ def test_forward_eager(name):
     # outside jit every loop and branch is a program of its own, dispatched in order
     f, ref = PATTERNS[name]
     x, z = inputs()
-    for g, e in zip(f(x, z), ref(gathered(x), gathered(z))):
+    for g, e in zip(f(x, z), ref(gathered(x), gathered(z)), strict=True):
         np.testing.assert_allclose(np.asarray(g), e, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", list(PATTERNS))
 def test_derivative_matches_finite_differences(name):
-    f, _ = PATTERNS[name]
     x, z = inputs()
-    loss = local_loss(f, weights(f(x, z)))
+    prog = programs(name)
     dx, dz = jnp.asarray(rng(3).standard_normal(NX)), jnp.asarray(rng(4).standard_normal(NZ))
     if name in FORWARD_MODE_ONLY:
-        _, directional = jax.jit(lambda a, b: jax.jvp(loss, (a, b), (dx, dz)))(x, z)
+        _, directional = prog["d"](x, z, dx, dz)
         exact = WORLD.allreduce(float(directional))
+        loss = lambda a, b: prog["d"](a, b, dx, dz)[0]  # noqa: E731
     else:
-        gx, gz = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, z)
+        _, (gx, gz) = prog["d"](x, z)
         exact = gdot((gx, gz), (dx, dz))
+        loss = lambda a, b: prog["d"](a, b)[0]  # noqa: E731
     eps = 1e-6
-    lj = jax.jit(loss)
-    total = lambda a, b: WORLD.allreduce(float(lj(a, b)))  # noqa: E731
+    total = lambda a, b: WORLD.allreduce(float(loss(a, b)))  # noqa: E731
     fd = (total(x + eps * dx, z + eps * dz) - total(x - eps * dx, z - eps * dz)) / (2 * eps)
     assert abs(fd - exact) <= 1e-6 * max(1.0, abs(fd)), (fd, exact)
 
 
 @pytest.mark.parametrize("name", list(PATTERNS))
 def test_compiled_hlo_is_one_chain(name):
-    f, _ = PATTERNS[name]
-    x, z = inputs()
-    assert_ordered(jax.jit(f).lower(x, z).compile().as_text())
-    loss = local_loss(f, weights(jax.eval_shape(f, x, z)))
-    if name in FORWARD_MODE_ONLY:
-        d = jax.jit(lambda a, b: jax.jvp(loss, (a, b), (a, b)))
-    else:
-        d = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    assert_ordered(d.lower(x, z).compile().as_text())
+    prog = programs(name)
+    assert_ordered(prog["f"].as_text())
+    assert_ordered(prog["d"].as_text())
 
 
 def test_compiled_chain_runs_in_program_order():
@@ -490,14 +502,10 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 @tracing
 @pytest.mark.parametrize("name", [n for n in PATTERNS if not n.startswith("send_only")])
 def test_runtime_sequence_identical_on_every_rank(name):
-    f, _ = PATTERNS[name]
     x, z = inputs()
+    d = programs(name)["d"]
     vjpmpi.take_trace()
-    loss = local_loss(f, weights(jax.eval_shape(f, x, z)))
-    if name in FORWARD_MODE_ONLY:
-        jax.block_until_ready(jax.jit(lambda a, b: jax.jvp(loss, (a, b), (a, b)))(x, z))
-    else:
-        jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(x, z))
+    jax.block_until_ready(d(x, z, x, z) if name in FORWARD_MODE_ONLY else d(x, z))
     seq = vjpmpi.take_trace()
     assert seq and all(s == seq for s in WORLD.allgather(seq))
 
@@ -625,7 +633,7 @@ def test_exported_function_alone_runs_and_next_to_others_is_an_error():
     unchecked = [export.DisabledSafetyCheck.custom_call("vjpmpi_allreduce")]
     exp = export.export(jax.jit(_loop_then_top), disabled_checks=unchecked)(x, z)
     got = jax.jit(exp.call)(x, z)  # on its own: ordered by its own chain
-    for g, e in zip(got, _ref_loop_then_top(gathered(x), gathered(z))):
+    for g, e in zip(got, _ref_loop_then_top(gathered(x), gathered(z)), strict=True):
         np.testing.assert_allclose(np.asarray(g), e, rtol=1e-12, atol=1e-12)
     if os.environ.get("VJPMPI_TRACE") == "1":  # unused results: the call still runs
         vjpmpi.take_trace()
