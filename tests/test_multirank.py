@@ -52,7 +52,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from _mpirun import TESTS, mpirun, network_env
+from _mpirun import FAST_COMPILE, RANK_ENV, TESTS, mpirun, network_env
 
 TIMEOUT = 1200  # seconds per rank count; a deadlock fails the run instead of hanging CI
 RANKS = [int(n) for n in os.environ.get("VJPMPI_TEST_RANKS", "1,2,3,4,8").split(",")]
@@ -328,3 +328,41 @@ def test_mismatched_program_fails_within_timeout(tmp_path):
     assert re.search(r"vjpmpi: timeout \(VJPMPI_TIMEOUT=5 s\): rank [01] of 2 has waited 5\.\d s "
                      r"in (allreduce\(SUM\)|barrier\(\))", run.output), run.describe()
     assert took < 60, f"job took {took:.1f} s to end"
+
+
+HLO_PROGRAMS = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from mpi4py import MPI
+import vjpmpi
+jax.config.update("jax_enable_x64", True)
+
+def f(x):  # collectives in a loop, a branch and a gradient, and some dense work
+    def body(i, c):
+        c = vjpmpi.allreduce(jnp.sin(c) * i, MPI.SUM) + vjpmpi.scan(c, MPI.MAX)
+        return jax.lax.cond(i % 2 == 0, lambda v: vjpmpi.bcast(v, 0), jnp.tanh, c)
+    y = jax.lax.fori_loop(0, 3, body, x)
+    return jnp.sum(vjpmpi.allgather(y) ** 2) + jnp.sum(jax.nn.softmax(x @ x.T))
+
+x = np.linspace(0.0, 1.0, 16).reshape(4, 4)
+texts = [jax.jit(jax.value_and_grad(f)).lower(x).compile().as_text(),
+         jax.jit(jax.vmap(jax.grad(f))).lower(np.stack([x, 2 * x])).compile().as_text()]
+open(sys.argv[1], "w").write("\\n=====\\n".join(texts))
+"""
+
+
+def test_rank_env_compiles_the_same_hlo(tmp_path):
+    """The suite's ranks compile with FAST_COMPILE (LLVM -O0): XLA's optimized HLO, what
+    the tests inspect, is the same as with XLA's defaults."""
+    script = tmp_path / "programs.py"
+    script.write_text(HLO_PROGRAMS)
+    texts = []
+    for flags in (RANK_ENV["XLA_FLAGS"], RANK_ENV["XLA_FLAGS"].replace(FAST_COMPILE, "")):
+        out = tmp_path / f"hlo{len(texts)}.txt"
+        run = mpirun(1, [str(script), str(out)], timeout=120, env={"XLA_FLAGS": flags})
+        assert run.returncode == 0 and not run.timed_out, run.describe()
+        texts.append(out.read_text())
+    assert FAST_COMPILE in RANK_ENV["XLA_FLAGS"]
+    assert "vjpmpi_allreduce" in texts[0] and "while" in texts[0], texts[0][:2000]
+    assert texts[0] == texts[1]
+

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from _mpirun import mpirun
+from _mpirun import RANK_ENV, mpirun
 
 HEADER = """
 import sys, time
@@ -142,8 +142,7 @@ def test_program_on_several_devices_of_one_process_is_an_error(tmp_path):
                           out_specs=P())
         say("one device:", np.asarray(jax.jit(g)(jnp.arange(4.0, device=jax.devices()[0]))))
     """, nprocs=1, timeout=120,
-        env={"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false "
-                          "--xla_force_host_platform_device_count=2"})
+        env={"XLA_FLAGS": RANK_ENV["XLA_FLAGS"] + " --xla_force_host_platform_device_count=2"})
     assert run.returncode == 0 and not run.timed_out, run.describe()
     errors = report(run, "error: vjpmpi.allreduce: the program being compiled runs on 2 devices")
     assert len(errors) == 2 and "lowered" not in run.output, run.describe()

@@ -217,18 +217,24 @@ def test_parallel_mlp_any_depth_equals_dense(depth, use_bias):
     assert allreduces(layer, x) == 2 * (len(mlp.layers) // 2)
 
 
+@eqx.filter_jit
+def inits_from_keys():
+    """[(sharded layer drawn from a key and gathered, the dense layer from that key)]:
+    one program (drawn eagerly, every jax.random shape would be a compile of its own)."""
+    k7, k8, k22 = (jax.random.PRNGKey(k) for k in (7, 8, 22))
+    return [(vnn.ColumnParallelLinear(6, F, key=k7).to_dense(), eqx.nn.Linear(6, F, key=k7)),
+            (vnn.ParallelMLP(6, 3, F, jnp.tanh, depth=2, key=k8).to_dense(),
+             eqx.nn.MLP(6, 3, F, 2, activation=jnp.tanh, key=k8)),
+            (vnn.ParallelMultiheadAttention(HEADS, F, key=k22).to_dense(),
+             eqx.nn.MultiheadAttention(HEADS, F, key=k22))]
+
+
 def test_parallel_mlp_init_from_key_and_unsplittable_mlps():
     # sharded init from one key = the same global weights on any number of ranks
-    from_key = vnn.ColumnParallelLinear(6, F, key=jax.random.PRNGKey(7))
-    close(from_key.to_dense().weight, eqx.nn.Linear(6, F, key=jax.random.PRNGKey(7)).weight)
-    layer = vnn.ParallelMLP(6, 3, F, jnp.tanh, depth=2, key=jax.random.PRNGKey(8))
-    close(layer.to_dense().layers[1].weight,
-          eqx.nn.MLP(6, 3, F, 2, activation=jnp.tanh, key=jax.random.PRNGKey(8)).layers[1].weight)
-    # (query size F: the projections have the (F, F) weights drawn just above, no new
-    # jax.random program to compile)
-    attn = vnn.ParallelMultiheadAttention(HEADS, F, key=jax.random.PRNGKey(22))
-    assert_trees_close(params(attn.to_dense()),
-                       params(eqx.nn.MultiheadAttention(HEADS, F, key=jax.random.PRNGKey(22))))
+    pairs = inits_from_keys()
+    assert len(pairs) == 3
+    for gathered, dense in pairs:
+        assert_trees_close(params(gathered), params(dense))
     learnt = fresh(eqx.nn.MLP, 6, 3, F, 1, activation=eqx.nn.PReLU(), seed=8)
     with pytest.raises(ValueError, match=r"ParallelMLP: a learnt activation"):
         vnn.ParallelMLP.from_dense(learnt)
