@@ -364,5 +364,7 @@ def test_rank_env_compiles_the_same_hlo(tmp_path):
         texts.append(out.read_text())
     assert FAST_COMPILE in RANK_ENV["XLA_FLAGS"]
     assert "vjpmpi_allreduce" in texts[0] and "while" in texts[0], texts[0][:2000]
-    assert texts[0] == texts[1]
+    # (an MPI handle, a pointer on Open MPI, and host addresses differ between processes)
+    same = [re.sub(r"\b(comm|status) = -?\d+ : i64", r"\1 = _", t) for t in texts]
+    assert same[0] == same[1]
 
