@@ -171,3 +171,22 @@ def fresh(ctor, *args, seed, **kwargs):
         return jnp.asarray(gen.uniform(-lim, lim, leaf.shape).astype(leaf.dtype))
 
     return jax.tree_util.tree_map(draw, shapes)
+
+
+PROGRAMS = {}  # compiled(): {(test module, key): executable}
+
+
+def compiled(key, fn, *args):
+    """`jax.jit(fn)` compiled for `args`, once per key (name it with the test module)
+    in this process: the tests that run or inspect the same program share one
+    executable, each with its own data. `forget(module)` drops a module's programs
+    (before the communicators they hold are freed)."""
+    if key not in PROGRAMS:
+        PROGRAMS[key] = jax.jit(fn).lower(*args).compile()
+    return PROGRAMS[key]
+
+
+def forget(module):
+    for key in [k for k in PROGRAMS if k[0] == module]:
+        del PROGRAMS[key]
+

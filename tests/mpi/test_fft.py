@@ -14,7 +14,7 @@ from mpi4py import MPI
 import vjpmpi
 from vjpmpi import fft as vfft
 
-from helpers import WORLD
+from helpers import WORLD, compiled, forget
 from hlo_order import assert_ordered, collective_sequence
 
 jax.config.update("jax_enable_x64", True)
@@ -36,9 +36,6 @@ LAYOUTS = {
 # its communicators), made on first use and freed at the end, in the same order on
 # every rank (both are collective).
 _GRIDS = {}
-_PROGRAMS = {}
-
-
 def make_layout(name):
     dims, cshape, rshape = LAYOUTS[name]
     if name not in _GRIDS:
@@ -49,18 +46,10 @@ def make_layout(name):
 @pytest.fixture(scope="module", autouse=True)
 def _free_grids():
     yield
-    _PROGRAMS.clear()
+    forget("fft")
     for grid in _GRIDS.values():
         grid.free()
     _GRIDS.clear()
-
-
-def compiled(key, fn, *args):
-    """`jax.jit(fn)` compiled for `args`, once per key in this process: every test that
-    runs the same program calls the same executable (with its own data)."""
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = jax.jit(fn).lower(*args).compile()
-    return _PROGRAMS[key]
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -157,7 +146,7 @@ def test_matches_numpy(layout, transposed, norm):
     R, H = rand(rshape, 3, False), rand(half(rshape), 4)
     x, K_, r, H_ = (local(grid, X, phys(grid)), local(grid, K, out_axes),
                     local(grid, R, phys(grid)), local(grid, H, out_axes))
-    run = compiled(("transforms", name, transposed, norm),
+    run = compiled(("fft", "transforms", name, transposed, norm),
                    four_transforms(grid, rshape, norm, transposed), x, K_, r, H_)
     k, x_of_K, h, r_of_H = run(x, K_, r, H_)
     close(grid.gather(k, cshape, out_axes), np.fft.fftn(X, norm=norm))
@@ -198,14 +187,15 @@ def test_dot_products(layout):
     xs = [local(grid, X, f[4]) for X, f in zip(Xs, fns, strict=True)]
     ys = [local(grid, Y, f[5]) for Y, f in zip(Ys, fns, strict=True)]
     # the forward transforms: the program test_matches_numpy[spectral] runs
-    forward = compiled(("transforms", name, True, None), four_transforms(grid, rshape), *xs)
+    forward = compiled(("fft", "transforms", name, True, None), four_transforms(grid, rshape),
+                       *xs)
     fxs = forward(*xs)[:4]
     # their transposes, in one program (jax.linear_transpose traced inside it: outside
     # a trace it would compile each jitted piece of the transform it partially evaluates)
     def transposes(*ys):
         return [jax.linear_transpose(f[1], jax.ShapeDtypeStruct(x.shape, x.dtype))(y)[0]
                 for f, x, y in zip(fns, xs, ys, strict=True)]
-    ft_ys = compiled(("transposes", name), transposes, *ys)(*ys)
+    ft_ys = compiled(("fft", "transposes", name), transposes, *ys)(*ys)
     for i, (fname, f, shape, cplx, in_axes, out_axes, oshape) in enumerate(fns):
         x, y, fx, ft_y = (np.asarray(v) for v in (xs[i], ys[i], fxs[i], ft_ys[i]))
         lhs, rhs = allsum(np.sum(fx * y)), allsum(np.sum(x * ft_y))
@@ -240,7 +230,7 @@ def test_grad_jvp_vmap(split_layout):
     r, t = local(grid, R, phys(grid)), local(grid, T, phys(grid))
     X = np.stack([rand(cshape, 33), rand(cshape, 34)])
     xs = np.stack([local(grid, v, phys(grid)) for v in X])
-    run = compiled(("grad_jvp_vmap", name), program, r, t, xs)
+    run = compiled(("fft", "grad_jvp_vmap", name), program, r, t, xs)
     (value, g), (primal, tangent), ks = run(r, t, xs)
     close(value, value_global)
     close(grid.gather(g, rshape, phys(grid)), grad_global)
@@ -266,7 +256,7 @@ def test_dtypes(split_layout):
 
     args = (local(grid, X, phys(grid)).astype(np.complex64),
             local(grid, R, phys(grid)).astype(np.float32), local(grid, X.real, phys(grid)))
-    k, h, r, k64 = compiled(("dtypes", name), program, *args)(*args)
+    k, h, r, k64 = compiled(("fft", "dtypes", name), program, *args)(*args)
     assert k.dtype == jnp.complex64
     close(grid.gather(k, cshape, spec(grid)), np.fft.fftn(X.astype(np.complex64)), 1e-5)
     assert h.dtype == jnp.complex64

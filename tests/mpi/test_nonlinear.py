@@ -21,7 +21,7 @@ from mpi4py import MPI
 import vjpmpi
 from vjpmpi import _ops
 
-from helpers import BF16, WORLD, gdot, normal, rng
+from helpers import BF16, WORLD, compiled, gdot, normal, rng
 
 rank, size = WORLD.rank, WORLD.size
 last = size - 1
@@ -120,17 +120,6 @@ def cotangent(name, shape, salt):
     return w
 
 
-_PROGRAMS = {}
-
-
-def compiled(key, fn, *args):
-    """`jax.jit(fn)` compiled for `args`, once per key in this process: the tests that
-    run or inspect the same program share one executable."""
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = jax.jit(fn).lower(*args).compile()
-    return _PROGRAMS[key]
-
-
 def derivatives(name):
     """The program of `name`'s derivatives that the exactness and vmap tests run and
     the memory test inspects, compiled once: (a, b, c) -> (f(a), its jvp along b, its
@@ -143,7 +132,7 @@ def derivatives(name):
         y, jv = jax.jvp(f, (a,), (b,))
         xt = jax.vjp(f, a)[1](c)[0]
         return y, jv, xt, jax.value_and_grad(lambda v: jnp.sum(f(v) ** 2))(a)
-    return compiled(("derivatives", name), program, x, x, w)
+    return compiled(("nonlinear", "derivatives", name), program, x, x, w)
 
 
 # ------------------------------------------------------------- exactness --
