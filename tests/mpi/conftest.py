@@ -8,6 +8,7 @@ so the other ranks never wait forever in a collective the failed rank skipped.
 them with tests/expected_counts.json.
 """
 
+import os
 import sys
 
 import jax
@@ -17,6 +18,10 @@ from mpi4py import MPI
 import vjpmpi  # noqa: F401  (first: sets synchronous CPU dispatch before any array exists)
 
 jax.config.update("jax_enable_x64", True)
+if os.environ.get("VJPMPI_TEST_SHARED_COMPILES"):  # one compile per program, not per rank
+    from _shared_compiles import share_compiles
+
+    share_compiles(os.environ["VJPMPI_TEST_SHARED_COMPILES"])
 
 WORLD = MPI.COMM_WORLD
 
