@@ -11,12 +11,19 @@ The jobs:
             count, without their tests marked `narrow` (work that does not change past
             4 ranks: dtype coverage, vmap, checkpoint, second derivatives).
 
+Within a session the ranks of every job share compiled programs (one compile per
+distinct program: tests/mpi/_shared_compiles.py), and a job with more ranks than cores
+runs with OVERSUBSCRIBED_ENV (waiting ranks sleep), but for LATENCY_BOUND files, which
+run spinning in a job of their own at that count.
+
 The platform runs of `.ci/run` and contributors select with the environment:
   VJPMPI_TEST_RANKS   rank counts, e.g. "2" (default "1,2,3,4,8")
   VJPMPI_TEST_FILES   the part of tests/mpi to run: test files or folders, e.g.
                       "mpi/test_collectives.py" (default: all of it)
   VJPMPI_TEST_NETWORK "1": every message through MPI's network module over loopback
                       (shared memory off; `_mpirun.network_env()`)
+  VJPMPI_TEST_SHARED_COMPILES  the folder the ranks share compiled programs in (default:
+                      one per session), or "0": every rank compiles on its own
 `pytest tests -m quick` is the development tier: the multi-rank suite at 2 ranks without
 the examples' smoke tests (QUICK_LEAVES_OUT), held against the table like any job.
 
