@@ -5,7 +5,8 @@
 Runs the parts of `suite.py` under mpiexec (each with a timeout): main, gloo, check,
 net (shared memory off, every message over loopback TCP) and, with --gpu, gpu; then
 writes OUT/results.md (tables, targets met or missed) and OUT/results.png.
-`--quick` uses tiny sizes and few repetitions (the smoke test); `--gpu-only` runs the
+`--quick` uses tiny sizes and few repetitions, compiled at LLVM -O0 (the smoke test,
+which judges no figure); `--gpu-only` runs the
 GPU part alone (what tests/gpu/run_on_gpu.sh runs).
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
-from _mpirun import launch, network_env  # noqa: E402  (the tests' launcher)
+from _mpirun import FAST_COMPILE, launch, network_env  # noqa: E402  (the tests' launcher)
 
 ENV = {
     "JAX_PLATFORMS": "cpu",
@@ -42,9 +43,11 @@ def run_part(part, ranks, quick, timeout, workdir, env=None):
     path = Path(workdir) / f"{part}.json"
     cmd = [*launch(ranks), sys.executable, str(HERE / "suite.py"), "--part", part,
            "--json", str(path)]
-    if quick:
+    full_env = {**os.environ, **ENV, **(env or {})}
+    if quick:  # the smoke test: nothing is judged, so the ranks compile as the tests' do
         cmd.append("--quick")
-    proc = subprocess.Popen(cmd, env={**os.environ, **ENV, **(env or {})}, cwd=workdir, text=True,
+        full_env["XLA_FLAGS"] = f"{full_env.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+    proc = subprocess.Popen(cmd, env=full_env, cwd=workdir, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
