@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,18 +82,43 @@ class Run:
         return f"mpiexec -n {self.nprocs}: {state}\n{self.output[-20000:]}"
 
 
+class Job:
+    """`python argv...` started on `nprocs` ranks; `result()` waits for it (the whole job
+    is killed `timeout` s after its start), `kill()` ends it now."""
+
+    def __init__(self, nprocs: int, argv: list[str], timeout: float, env: dict | None = None):
+        self.nprocs, self.timeout = nprocs, timeout
+        full_env = {**os.environ, **RANK_ENV, **(env or {})}
+        self.proc = subprocess.Popen(
+            [*launch(nprocs), sys.executable, *argv], cwd=TESTS, env=full_env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            text=True,
+        )
+        self._run: Run | None = None
+        # (a thread reads the output, so a job left to run never blocks on a full pipe)
+        self._reader = threading.Thread(target=self._wait, daemon=True)
+        self._reader.start()
+
+    def _wait(self):
+        try:
+            out, _ = self.proc.communicate(timeout=self.timeout)
+            self._run = Run(self.nprocs, self.proc.returncode, out, False)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            out, _ = self.proc.communicate()
+            self._run = Run(self.nprocs, None, out, True)
+
+    def result(self) -> Run:
+        self._reader.join()
+        return self._run
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the job we started, by its group
+        except ProcessLookupError:  # (it has ended)
+            pass
+
+
 def mpirun(nprocs: int, argv: list[str], timeout: float, env: dict | None = None) -> Run:
     """Run `python argv...` on `nprocs` ranks; kill the whole job after `timeout` s."""
-    full_env = {**os.environ, **RANK_ENV, **(env or {})}
-    cmd = [*launch(nprocs), sys.executable, *argv]
-    proc = subprocess.Popen(
-        cmd, cwd=TESTS, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True, text=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return Run(nprocs, proc.returncode, out, False)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the job we started, by its process group
-        out, _ = proc.communicate()
-        return Run(nprocs, None, out, True)
+    return Job(nprocs, argv, timeout, env).result()

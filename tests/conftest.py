@@ -6,6 +6,17 @@ collect_ignore = ["mpi"]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def pytest_collection_finish(session):
+    """Start the multi-rank jobs that run beside the single-process tests (EARLY_RANKS)."""
+    if "test_multirank" in sys.modules:
+        sys.modules["test_multirank"].start_early(session)
+
+
+def pytest_sessionfinish(session):
+    if "test_multirank" in sys.modules:
+        sys.modules["test_multirank"].stop_early()
+
+
 def pytest_terminal_summary(terminalreporter):
     """Each multi-rank job's wall time and slowest tests (rank 0's JUnit times)."""
     jobs = getattr(sys.modules.get("test_multirank"), "JOB_TIMES", None)

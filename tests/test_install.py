@@ -1,4 +1,8 @@
-"""Import-time checks, each in a fresh single-rank interpreter."""
+"""Import-time checks, each in a fresh single-rank interpreter.
+
+The platform parts of .ci/run run the checks whose outcome can depend on their
+platform: `mpi_library` (the MPI library the kernels are built against: the Open MPI
+part) and `jax_version` (the JAX installed: the oldest-JAX part); the main part runs all."""
 
 import functools
 import os
@@ -17,6 +21,7 @@ def python(code: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.mpi_library
 def test_kernels_use_mpi4py_library():
     r = python(
         "from mpi4py import MPI\n"
@@ -30,6 +35,7 @@ def test_kernels_use_mpi4py_library():
     assert (abi, vendor) in {("mpich", "MPICH"), ("mpich", "Intel MPI"), ("openmpi", "Open MPI")}
 
 
+@pytest.mark.mpi_library
 def test_mismatched_mpi_library_is_a_clear_import_error():
     r = python(
         "from mpi4py import MPI\n"
@@ -41,6 +47,7 @@ def test_mismatched_mpi_library_is_a_clear_import_error():
     assert "VJPMPI_MPICC" in r.stderr
 
 
+@pytest.mark.jax_version
 def test_late_import_warns_about_ordering():
     r = python(
         "import warnings, jax.numpy as jnp\n"
@@ -53,6 +60,7 @@ def test_late_import_warns_about_ordering():
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.jax_version
 def test_import_sets_synchronous_dispatch():
     r = python(
         "import jax, vjpmpi\n"
@@ -65,6 +73,8 @@ def test_import_sets_synchronous_dispatch():
 CUDA_HEADERS = Path("/usr/local/cuda/include/cuda_runtime_api.h")
 
 
+@pytest.mark.jax_version
+@pytest.mark.mpi_library
 @pytest.mark.skipif(not CUDA_HEADERS.exists(), reason="no CUDA toolkit on this machine")
 def test_cuda_backend_is_built_and_registered():
     """With a CUDA toolkit at build time the CUDA handlers are compiled and registered;
@@ -86,6 +96,7 @@ def test_cuda_backend_is_built_and_registered():
         assert "VJPMPI_CUDA_AWARE=1, but this MPI" in r.stdout
 
 
+@pytest.mark.mpi_library
 @pytest.mark.skipif(not CUDA_HEADERS.exists(), reason="no CUDA toolkit on this machine")
 def test_cuda_module_shares_the_cpu_runtime():
     """One runtime for both backends (fresh interpreter, VJPMPI_TRACE=1): a call entered
@@ -136,6 +147,7 @@ def test_source_tree_without_build_says_so(tmp_path):
     assert "compiled kernels are not in" in r.stderr and "pip install ." in r.stderr
 
 
+@pytest.mark.jax_version
 def test_jax_range_is_declared_once():
     """pyproject.toml's JAX range, its build-time jaxlib (the FFI headers) and the range
     vjpmpi warns outside of are the same; the installed JAX is inside it (CI runs both
@@ -156,6 +168,7 @@ def test_jax_range_is_declared_once():
     assert v(low) <= v(installed) <= v(high)
 
 
+@pytest.mark.jax_version
 @pytest.mark.parametrize("version", ["0.6.2", "0.11.0", "1.0.0.dev20270101"])
 def test_jax_outside_the_range_warns(version):
     r = python(
@@ -173,6 +186,7 @@ def test_jax_outside_the_range_warns(version):
     assert f"tested with JAX {low} to {high}, but JAX {version} is installed" in r.stdout
 
 
+@pytest.mark.jax_version
 def test_jax_inside_the_range_does_not_warn():
     r = python(
         "import warnings\n"
@@ -185,6 +199,7 @@ def test_jax_inside_the_range_does_not_warn():
     assert r.stdout.strip() == "[]"
 
 
+@pytest.mark.jax_version
 def test_kernels_built_against_newer_jaxlib_is_a_clear_import_error():
     """XLA refuses FFI handlers compiled against a newer jaxlib than itself, and says so
     only when the CPU client starts; vjpmpi says it at import, with the fix."""
@@ -206,6 +221,7 @@ def _tested_range():
     return r.stdout.split()
 
 
+@pytest.mark.mpi_library
 @pytest.mark.skipif(not os.environ.get("VJPMPI_OTHER_LIBMPI"),
                     reason="VJPMPI_OTHER_LIBMPI (another MPI family's libmpi) not set; "
                            ".ci/run sets it in its Open MPI environment")

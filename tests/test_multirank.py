@@ -49,17 +49,23 @@ comparing; VJPMPI_TEST_FILES / VJPMPI_TEST_RANKS narrow it to what changed. Revi
 diff of tests/expected_counts.json before committing it.
 """
 
+import atexit
 import collections
+import dataclasses
 import fnmatch
+import functools
 import json
 import os
 import re
+import shutil
+import tempfile
 import time
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
-from _mpirun import FAST_COMPILE, RANK_ENV, TESTS, mpi_family, mpirun, network_env
+from _mpirun import FAST_COMPILE, RANK_ENV, TESTS, Job, mpi_family, mpirun, network_env
 
 TIMEOUT = 1200  # seconds per rank count; a deadlock fails the run instead of hanging CI
 RANKS = [int(n) for n in os.environ.get("VJPMPI_TEST_RANKS", "1,2,3,4,8").split(",")]
@@ -243,52 +249,106 @@ def load_table() -> dict:
     return json.loads(TABLE.read_text())
 
 
-@pytest.fixture(scope="session")
-def shared_compiles(tmp_path_factory) -> dict[str, str]:
-    """One folder per session in which the ranks of every job share compiled programs
+@functools.cache
+def session_folder() -> Path:
+    """This session's scratch folder (shared compiles, jobs started early); removed at exit."""
+    path = Path(tempfile.mkdtemp(prefix="vjpmpi-tests-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def shared_compiles() -> dict[str, str]:
+    """The folder in which the ranks of every job of the session share compiled programs
     (tests/mpi/_shared_compiles.py); VJPMPI_TEST_SHARED_COMPILES=0 turns it off."""
     given = os.environ.get("VJPMPI_TEST_SHARED_COMPILES", "")
     if given == "0":
         return {}
-    return {"VJPMPI_TEST_SHARED_COMPILES": given or str(tmp_path_factory.mktemp("compiles"))}
+    return {"VJPMPI_TEST_SHARED_COMPILES": given or str(session_folder() / "compiles")}
+
+
+def job_plan(nprocs, config) -> list[tuple[list[str], list[str], dict[str, str]]]:
+    """The jobs (files, extra pytest arguments, environment) of test_suite[nprocs], run
+    one after the other: for an oversubscribed count the LATENCY_BOUND files spinning,
+    then the rest with OVERSUBSCRIBED_ENV; else one job."""
+    files = [f for f in run_files(FILES) if nprocs in counts_of(f)]
+    if quick_tier(config.getoption("markexpr")):
+        files = [f for f in files if not any(fnmatch.fnmatch(f, p) for p in QUICK_LEAVES_OUT)]
+    extra = ["-m", "not narrow"] if nprocs in WIDE else []
+    if nprocs <= CORES:
+        return [(files, extra, shared_compiles())] if files else []
+    spinning = [f for f in files if f in LATENCY_BOUND]
+    rest = [f for f in files if f not in LATENCY_BOUND]
+    return [(fs, extra, {**shared_compiles(), **env})
+            for fs, env in ((spinning, {}), (rest, OVERSUBSCRIBED_ENV)) if fs]
+
+
+# Jobs of one rank started when collection ends (tests/conftest.py): no rank of theirs
+# waits for another, so they take the core that the single-process tests before them
+# (benchmarks, docs, install checks) leave free, and test_suite[1] collects the result.
+EARLY_RANKS = (1,)
+EARLY: dict[int, "StartedJob"] = {}
+
+
+def start_early(session):
+    for item in session.items:
+        nprocs = getattr(item, "callspec", None) and item.callspec.params.get("nprocs")
+        if (item.module.__name__ == __name__ and item.originalname == "test_suite"
+                and nprocs in EARLY_RANKS and nprocs not in EARLY):
+            plan = job_plan(nprocs, session.config)
+            if len(plan) == 1:
+                files, extra, env = plan[0]
+                folder = session_folder() / f"early-{nprocs}"
+                EARLY[nprocs] = start_job(nprocs, files, folder, extra, env)
+
+
+def stop_early():
+    """End the early jobs that no test collected (the session stopped first)."""
+    while EARLY:
+        EARLY.popitem()[1].job.kill()
 
 
 @pytest.mark.parametrize("nprocs", [pytest.param(n, marks=pytest.mark.quick)
                                     if n in QUICK_RANKS else n for n in RANKS])
-def test_suite(nprocs, tmp_path, request, shared_compiles):
-    files = [f for f in run_files(FILES) if nprocs in counts_of(f)]
-    if quick_tier(request.config.getoption("markexpr")):
-        files = [f for f in files if not any(fnmatch.fnmatch(f, p) for p in QUICK_LEAVES_OUT)]
-    if not files:
+def test_suite(nprocs, tmp_path, request):
+    plan = job_plan(nprocs, request.config)
+    if not plan:
         pytest.skip(f"no file of VJPMPI_TEST_FILES runs at {nprocs} ranks (ONLY_AT, WIDE)")
-    extra = ["-m", "not narrow"] if nprocs in WIDE else []
-    env = dict(shared_compiles)
-    if nprocs > CORES:
-        spinning = [f for f in files if f in LATENCY_BOUND]
-        files = [f for f in files if f not in LATENCY_BOUND]
-        if spinning:
-            run_and_compare(nprocs, spinning, tmp_path / "spinning", extra, env)
-        env |= OVERSUBSCRIBED_ENV
-    if files:
-        run_and_compare(nprocs, files, tmp_path, extra, env)
+    for i, (files, extra, env) in enumerate(plan):
+        started = EARLY.pop(nprocs, None) if i == 0 else None
+        compare_job(started or start_job(nprocs, files, tmp_path / f"job{i}", extra, env))
 
 
-def run_and_compare(nprocs, entries, tmp_path, extra=(), env=None):
-    """Run `entries` of tests/ at `nprocs` ranks; compare what ran with the table."""
-    files = run_files(entries)
+@dataclasses.dataclass
+class StartedJob:
+    nprocs: int
+    entries: list[str]
+    tmp_path: Path
+    shown: dict[str, str]  # (its environment but for the shared-compiles folder)
+    job: Job
+    started: float
+
+
+def start_job(nprocs, entries, tmp_path, extra=(), env=None) -> StartedJob:
+    """Start the multi-rank suite's `entries` of tests/ at `nprocs` ranks."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     shown = {**JOB_ENV.get(nprocs, {}), **(network_env() if NETWORK else {})}
     shown |= {k: v for k, v in (env or {}).items() if k != "VJPMPI_TEST_SHARED_COMPILES"}
-    env = {**shown, **(env or {})}
-    started = time.monotonic()
-    run = mpirun(
+    job = Job(
         nprocs,
         ["-m", "pytest", *entries, *extra, "-q", "-p", "no:cacheprovider", "-x",
          "--durations=15", f"--junitxml={tmp_path}/results.rank{{rank}}.xml"],
         timeout=TIMEOUT * (2 if NETWORK else 1),
-        env=env,
+        env={**shown, **(env or {})},
     )
-    wall = time.monotonic() - started
+    return StartedJob(nprocs, list(entries), tmp_path, shown, job, time.monotonic())
+
+
+def compare_job(started: StartedJob):
+    """Wait for a job of the multi-rank suite; compare what ran with the table."""
+    nprocs, tmp_path, shown = started.nprocs, started.tmp_path, started.shown
+    files = run_files(started.entries)
+    run = started.job.result()
+    wall = time.monotonic() - started.started
     assert not run.timed_out and run.returncode == 0, (
         f"multi-rank suite failed at {nprocs} ranks\n" + run.describe()
     )
