@@ -2,7 +2,8 @@
 
 The platform parts of .ci/run run the checks whose outcome can depend on their
 platform: `mpi_library` (the MPI library the kernels are built against: the Open MPI
-part) and `jax_version` (the JAX installed: the oldest-JAX part); the main part runs all."""
+part) and `jax_version` (the JAX installed: the oldest- and newest-JAX parts); the main
+part runs all."""
 
 import functools
 import os
@@ -169,7 +170,7 @@ def test_jax_range_is_declared_once():
 
 
 @pytest.mark.jax_version
-@pytest.mark.parametrize("version", ["0.6.2", "0.11.0", "1.0.0.dev20270101"])
+@pytest.mark.parametrize("version", ["0.6.2", "0.12.1", "1.0.0.dev20270101"])
 def test_jax_outside_the_range_warns(version):
     r = python(
         "import warnings, jax\n"

@@ -4,7 +4,28 @@ JAX's public API has no hooks for what a communicating primitive needs (to be ke
 through dead-code elimination, and ordered across loops, branches and nested
 calls), so vjpmpi uses a few private modules and rules. Each entry below says what
 it relies on; a JAX upgrade that breaks vjpmpi breaks here first. Tested with
-JAX 0.10.2 (the newest release the project's registry serves).
+JAX 0.7.1 to 0.12.0.1 (CI runs both ends; 0.11 and newer on Python 3.13).
+
+Patches that JAX calls for every program in the process, collectives or not (each
+leaves a program without vjpmpi primitives unchanged, jaxpr, lowering and result:
+tests/test_no_side_effects.py), and why no scoped form exists:
+
+- `guard_dce_rules` wraps the DCE rule of every higher-order primitive (cond, while,
+  jit, remat, scan, custom derivatives, ...): JAX picks a rule by the equation's
+  primitive, and a loop or branch that holds a collective has no primitive of its
+  own to register for.
+- `keep_traced_equations` wraps `JaxprStackFrame.add_eqn`: the weak references of
+  auto-DCE tracing are kept per frame, not per primitive.
+- `run_tangent_rules` wraps `JVPTrace` / `LinearizeTrace.process_primitive` and the
+  tracers' `__init__`: JAX skips a rule whose input tangents are all zero before any
+  rule of the primitive runs. (JAX 0.11's `ad.linearize_on_zero_tangents` is a set of
+  primitives, so it cannot name a jit or loop that holds a collective either.)
+- `ordered_lowering` wraps `mlir.jaxpr_subcomp`: the token chain starts at a module's
+  main function and passes through every construct's lowering rule; no hook sees a
+  module before its first equation.
+- `carry_while_predicate` replaces while's batching rule: one rule serves every loop.
+- `track_host_callbacks` wraps the functions that run host callbacks: a collective
+  called from inside one must know, and JAX has no callback-entry hook.
 
 Private modules used (names re-exported for the rest of the package):
 
@@ -29,7 +50,8 @@ Private modules used (names re-exported for the rest of the package):
   `keep_in_partial_eval`).
 - `jax._src.effects`: the effect base class and the effect-type sets.
 - `jax._src.dispatch.apply_primitive`: eager execution of a primitive.
-- `jax._src.source_info_util`: the user's call site of a primitive being lowered.
+- `jax._src.source_info_util`: the user's call site of a primitive being lowered, and
+  `register_exclusion` (this file's frames are not the user's).
 - `jax._src.xla_bridge.backends_are_initialized`: whether the CPU client exists.
 - `jax._src.lib.mlir.dialects.hlo.create_token`: the token that starts a chain.
 - `jax._src.callback._FlatCallback.__call__` and `jax._src.debugging.debug_callback_impl`:
@@ -60,6 +82,10 @@ __all__ = [
 ]
 
 Effect = effects.Effect
+# The wrappers below sit between a user's code and JAX's on the Python stack; like JAX's
+# own files, this one is left out of the source locations recorded in programs (HLO
+# metadata) and of filtered tracebacks.
+source_info_util.register_exclusion(__file__)
 jaxprs_in_params = core.jaxprs_in_params  # every Jaxpr in an equation's params
 
 
@@ -83,8 +109,9 @@ def cpu_client_started() -> bool:
 # --------------------------------------------------- dead code elimination --
 def keep_alive_in_dce(prim: core.Primitive) -> None:
     """DCE never drops an equation of `prim`, used or not. Relies on `pe.dce_rules`
-    (rule signature `(used_outputs, eqn) -> (used_inputs, eqn or None)`)."""
-    pe.dce_rules[prim] = lambda used_outputs, eqn: ([True] * len(eqn.invars), eqn)
+    (rule signature `(used_outputs, eqn)`, from JAX 0.12 `(used_outputs, live_ins, eqn)`,
+    `-> (used_inputs, eqn or None)`: the equation is the last argument)."""
+    pe.dce_rules[prim] = lambda used_outputs, *rest: ([True] * len(rest[-1].invars), rest[-1])
 
 
 def guard_dce_rules(communicates: Callable, skip: Callable) -> None:
@@ -105,12 +132,13 @@ def guard_dce_rules(communicates: Callable, skip: Callable) -> None:
 
 
 def _guarded(rule, communicates):
-    def dce_rule(used_outputs, eqn):
+    def dce_rule(used_outputs, *rest):  # (rest: `eqn`, or `live_ins, eqn` from JAX 0.12)
+        eqn = rest[-1]
         if not any(used_outputs) and communicates(eqn):
             if not used_outputs:  # nothing to keep alive but the equation itself
                 return [True] * len(eqn.invars), eqn
             used_outputs = [True] * len(used_outputs)
-        return rule(used_outputs, eqn)
+        return rule(used_outputs, *rest)
 
     dce_rule.vjpmpi_guard = True
     return dce_rule
@@ -249,10 +277,14 @@ def keep_in_partial_eval(prim: core.Primitive) -> None:
 
 
 # ---------------------------------------------------------------- ordering --
+# JAX 0.11 made ClosedJaxpr an alias of Jaxpr (which holds its consts), 0.12 removed it
+_CLOSED_JAXPR = getattr(core, "ClosedJaxpr", core.Jaxpr)
+
+
 def _map_param(value, fn):
     if isinstance(value, core.Jaxpr):
         return fn(value)
-    if isinstance(value, core.ClosedJaxpr):
+    if isinstance(value, _CLOSED_JAXPR):
         return value.replace(jaxpr=fn(value.jaxpr))
     if isinstance(value, tuple):  # also namedtuples (custom_linear_solve's `jaxprs`)
         items = [_map_param(v, fn) for v in value]

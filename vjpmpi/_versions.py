@@ -8,10 +8,11 @@ import warnings
 import jax
 import jaxlib.version
 
-# Both ends run the multi-rank suite in CI (.ci/run); pyproject.toml declares the same.
+# Both ends run the multi-rank suite in CI (.ci/run: oldest-jax on Python 3.11, newest-jax
+# on Python 3.13, which JAX 0.11 and newer need); pyproject.toml declares the same.
 # (0.7.0 is left out: a process that ran an equinox Embedding under filter_jit dies
 # at exit with glibc's "corrupted size vs. prev_size", without vjpmpi too.)
-JAX_TESTED = ("0.7.1", "0.10.2")
+JAX_TESTED = ("0.7.1", "0.12.0.1")
 
 
 class JaxVersionWarning(UserWarning):
