@@ -23,7 +23,6 @@ import numpy as np
 
 from . import _jax_compat as jc
 from . import _kernels  # noqa: F401  (registers the FFI targets)
-from ._jax_compat import ad, core
 from ._mpi import RED_NAMES, CommRef
 
 _PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parent)
@@ -66,7 +65,7 @@ class Collective:
     """
 
     name: str
-    out_avals: Callable[..., list[core.ShapedArray]]
+    out_avals: Callable[..., list[jc.ShapedArray]]
     params: dict[str, str] = dataclasses.field(default_factory=dict)
     fixed: dict[str, int] = dataclasses.field(default_factory=dict)
     alias: tuple[int, int] | None = None
@@ -87,11 +86,11 @@ class Collective:
 # ourselves: a rule that never drops them, and a guard on every higher-order
 # primitive (loops, conditionals, nested jit, remat, custom derivatives) that
 # keeps the whole equation when its body contains a collective.
-_PRIMITIVES: set[core.Primitive] = set()
-_contains_cache: "weakref.WeakKeyDictionary[core.Jaxpr, bool]" = weakref.WeakKeyDictionary()
+_PRIMITIVES: set[jc.Primitive] = set()
+_contains_cache: "weakref.WeakKeyDictionary[jc.Jaxpr, bool]" = weakref.WeakKeyDictionary()
 
 
-def contains_collective(jaxpr: core.Jaxpr) -> bool:
+def contains_collective(jaxpr: jc.Jaxpr) -> bool:
     """Whether `jaxpr` (or any jaxpr nested in it) binds a vjpmpi collective."""
     hit = _contains_cache.get(jaxpr)
     if hit is None:
@@ -127,7 +126,7 @@ def _is_exported_call(eqn) -> bool:
     return hit[1]
 
 
-def _members(jaxpr: core.Jaxpr) -> tuple[int, int]:
+def _members(jaxpr: jc.Jaxpr) -> tuple[int, int]:
     """(collective equations, calls of exported collective functions) in `jaxpr`, nested."""
     own = exported = 0
     for eqn in jaxpr.eqns:
@@ -160,10 +159,10 @@ class Ordered(jc.Effect):
 
 ORDERED = Ordered()
 jc.register_effect(Ordered, ordered=True)
-_marked: "weakref.WeakKeyDictionary[core.Jaxpr, core.Jaxpr]" = weakref.WeakKeyDictionary()
+_marked: "weakref.WeakKeyDictionary[jc.Jaxpr, jc.Jaxpr]" = weakref.WeakKeyDictionary()
 
 
-def _mark(jaxpr: core.Jaxpr) -> core.Jaxpr:
+def _mark(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
     own, exported = _members(jaxpr)
     if exported and own + exported > 1:
         raise NotImplementedError(
@@ -175,7 +174,7 @@ def _mark(jaxpr: core.Jaxpr) -> core.Jaxpr:
     return jc.mark_jaxpr(jaxpr, ORDERED, _PRIMITIVES.__contains__, contains_collective, _marked)
 
 
-def _first_collective(jaxpr: core.Jaxpr) -> str | None:
+def _first_collective(jaxpr: jc.Jaxpr) -> str | None:
     for eqn in jaxpr.eqns:
         if eqn.primitive in _PRIMITIVES:
             return eqn.primitive.name.removeprefix("vjpmpi_").removesuffix("_lin")
@@ -208,8 +207,7 @@ def _int64(v: int) -> np.int64:
 
 def _user_frame() -> str:
     """`file:line (function)` of the user code that issued the collective being lowered."""
-    tb = jc.source_info_util.current().traceback
-    for frame in jc.source_info_util.user_frames(tb) if tb is not None else ():
+    for frame in jc.user_frames():
         if not frame.file_name.startswith(_PACKAGE_DIR):
             return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
     # eager calls: the Python stack of the call being compiled
@@ -276,8 +274,8 @@ def _lower(ctx, *args, spec: Collective, **params):
         f"vjpmpi_{spec.ffi_target()}", has_side_effect=True, operand_output_aliases=aliases
     )
     sub = ctx.replace(
-        avals_in=[*ctx.avals_in, core.abstract_token],
-        avals_out=[*ctx.avals_out, core.abstract_token],
+        avals_in=[*ctx.avals_in, jc.abstract_token],
+        avals_out=[*ctx.avals_out, jc.abstract_token],
     )
     attrs = dict.fromkeys(FFI_ATTRS, np.int64(0))
     attrs.update({attr: _int64(params[k]) for k, attr in spec.params.items()})
@@ -320,14 +318,14 @@ def _is_float(aval) -> bool:
 
 def _jvp(prim, lin, spec: Collective, primals, tangents, **params):
     outs = prim.bind(*primals, **params)
-    avals = [core.typeof(o) for o in outs]
-    if not any(_is_float(core.typeof(a)) for a in [*primals, *outs]):
+    avals = [jax.typeof(o) for o in outs]
+    if not any(_is_float(jax.typeof(a)) for a in [*primals, *outs]):
         # integer / bool data: float0 tangents, nothing to communicate
-        return outs, [ad.Zero(a.to_tangent_aval()) for a in avals]
+        return outs, [jc.Zero(a.to_tangent_aval()) for a in avals]
     if spec.linear(params):
         # Zero tangents become real zeros: the tangent collective must run on every
         # rank, whether or not this rank's input depends on what is differentiated.
-        ts = [ad.instantiate_zeros(t) for t in tangents]
+        ts = [jc.instantiate_zeros(t) for t in tangents]
         t_outs = lin.bind(*ts, **params)
     else:
         t_outs = spec.nonlinear_jvp(primals, tangents, outs, params)
@@ -336,7 +334,7 @@ def _jvp(prim, lin, spec: Collective, primals, tangents, **params):
 
 def _transpose(spec: Collective, cts, *args, **params):
     # A zero cotangent still takes part: every rank runs every transposed collective.
-    cts = [ad.instantiate_zeros(ct) for ct in cts]
+    cts = [jc.instantiate_zeros(ct) for ct in cts]
     return spec.transpose(cts, args, params)
 
 
@@ -360,13 +358,13 @@ LINEARIZED = Linearized()
 jc.register_effect(Linearized, ordered=False)
 
 
-def make_primitive(spec: Collective) -> tuple[core.Primitive, core.Primitive]:
+def make_primitive(spec: Collective) -> tuple[jc.Primitive, jc.Primitive]:
     """Build a collective's primitive and its linearized (tangent) twin from its spec."""
-    prim = core.Primitive(f"vjpmpi_{spec.name}")
-    lin = core.Primitive(f"vjpmpi_{spec.name}_lin")
+    prim = jc.Primitive(f"vjpmpi_{spec.name}")
+    lin = jc.Primitive(f"vjpmpi_{spec.name}_lin")
 
     def abstract_eval(*avals, ordered=False, **params):
-        return spec.out_avals(params, *avals), {ORDERED} if ordered else core.no_effects
+        return spec.out_avals(params, *avals), {ORDERED} if ordered else jc.no_effects
 
     def lin_abstract_eval(*avals, **params):
         outs, effs = abstract_eval(*avals, **params)
@@ -376,16 +374,16 @@ def make_primitive(spec: Collective) -> tuple[core.Primitive, core.Primitive]:
     lin.def_effectful_abstract_eval(lin_abstract_eval)
     for p in (prim, lin):
         p.multiple_results = True
-        p.def_impl(functools.partial(jc.dispatch.apply_primitive, p))
+        p.def_impl(functools.partial(_apply, p))
         # Not cacheable: each call site registers its own description (check, timeout).
         # One rule for every platform (it says which it cannot serve): a multi-platform
         # lowering then needs no per-platform switch, which JAX cannot build around an
         # ordered effect.
-        jc.mlir.register_lowering(p, functools.partial(_lower, spec=spec), cacheable=False)
-        jc.batching.primitive_batchers[p] = functools.partial(_batch, p, spec)
-        ad.primitive_jvps[p] = functools.partial(_jvp, p, lin, spec)
+        jc.register_lowering(p, functools.partial(_lower, spec=spec), cacheable=False)
+        jc.primitive_batchers[p] = functools.partial(_batch, p, spec)
+        jc.primitive_jvps[p] = functools.partial(_jvp, p, lin, spec)
         if spec.transpose is not None:
-            ad.primitive_transposes[p] = functools.partial(_transpose, spec)
+            jc.primitive_transposes[p] = functools.partial(_transpose, spec)
         jc.keep_alive_in_dce(p)
         jc.keep_in_partial_eval(p)
         _PRIMITIVES.add(p)
@@ -413,16 +411,28 @@ _EAGER: dict = {}
 _EAGER_MAX = 512
 
 
-def bind(prim: core.Primitive, args: Sequence, comm: CommRef, **params) -> list:
+def bind(prim: jc.Primitive, args: Sequence, comm: CommRef, **params) -> list:
     """Bind `prim` on `args` with its static parameters (exactly those its spec declares)."""
     if jc.inside_host_callback():
         raise RuntimeError(_IN_CALLBACK.format(op=prim.name.removeprefix("vjpmpi_")))
-    if not core.trace_state_clean():
+    if not jc.outside_traces():
         return prim.bind(*args, comm=comm, **params)
-    key = (prim, comm, *params.items())
+    return _eager(prim, {"comm": comm, **params})(*args)
+
+
+def _eager(prim: jc.Primitive, params: dict) -> Callable:
+    """The jitted call of `prim` with `params` that eager calls run (kept)."""
+    key = (prim, *sorted(params.items(), key=lambda item: item[0]))
     call = _EAGER.get(key)
     if call is None:
         if len(_EAGER) >= _EAGER_MAX:  # e.g. a fresh MPI.Status object on every call
             _EAGER.clear()
-        call = _EAGER[key] = jax.jit(functools.partial(prim.bind, comm=comm, **params))
-    return call(*args)
+        call = _EAGER[key] = jax.jit(functools.partial(prim.bind, **params))
+    return call
+
+
+def _apply(prim: jc.Primitive, *args, **params) -> list:
+    """`prim` on concrete arrays, bound outside any trace by JAX itself (an eager
+    backward pass, or the body of a jit that `jax.disable_jit()` runs as Python)."""
+    with jax.disable_jit(False):  # compiled whatever the caller's setting, as JAX's own
+        return _eager(prim, params)(*args)

@@ -6,7 +6,8 @@ calls), so vjpmpi uses a few private modules and rules. Each entry below says wh
 it relies on; a JAX upgrade that breaks vjpmpi breaks here first. Tested with
 JAX 0.7.1 to 0.12.0.1 (CI runs both ends; 0.11 and newer on Python 3.13).
 
-Patches that JAX calls for every program in the process, collectives or not (each
+Patches that JAX calls for every program in the process, collectives or not (ten
+attributes of JAX's, under six functions here; each
 leaves a program without vjpmpi primitives unchanged, jaxpr, lowering and result:
 tests/test_no_side_effects.py), and why no scoped form exists:
 
@@ -27,36 +28,34 @@ tests/test_no_side_effects.py), and why no scoped form exists:
 - `track_host_callbacks` wraps the functions that run host callbacks: a collective
   called from inside one must know, and JAX has no callback-entry hook.
 
-Private modules used (names re-exported for the rest of the package):
+Names: JAX's public modules where they re-export one (`jax.extend.core`,
+`jax.interpreters.*`, `jax.extend.source_info_util`, `jax.core.ShapedArray`,
+`jax.typeof`, `jax.lax.while_p`, jaxlib's `stablehlo` dialect), `jax._src` where none
+does. The rest of the package imports names from here, never a JAX module, so this
+list is the whole seam (tests/test_jax_seam.py holds it to the code). Private, each
+with what it is for:
 
-- `jax._src.core`: `Primitive`, `ShapedArray`, `Jaxpr`, `ClosedJaxpr`, `JaxprEqn`
-  (with their `replace` methods), `jaxprs_in_params`, `abstract_token`,
-  `no_effects`, `typeof`.
-- `jax._src.interpreters.ad`: `primitive_jvps`, `primitive_transposes`, `Zero`,
-  `instantiate_zeros`, `is_undefined_primal` (rule tables and helpers; the public
-  `jax.interpreters.ad` re-exports a subset).
-- `jax._src.interpreters.batching`: `primitive_batchers` (the batching rule table) and
-  `fancy_primitive_batchers` (see `carry_while_predicate`).
-- `jax._src.interpreters.mlir`: `register_lowering(..., cacheable=False)`,
-  `LoweringRuleContext` (`tokens_in`, `set_tokens_out`, `replace`, `avals_in/out`,
-  `name_stack`, `module_context.axis_context`), `TokenSet`, and `jaxpr_subcomp`,
-  which `ordered_lowering` wraps.
-- `jax._src.interpreters.ad`, differentiation traces: `JVPTrace` / `LinearizeTrace`
-  (`process_primitive`, `to_primal_tangent_pair`, `parent_trace`, `tangent_trace`)
-  and their tracers `JVPTracer` / `LinearizeTracer(trace, primal, tangent)` (see
-  `run_tangent_rules`).
-- `jax._src.interpreters.partial_eval`: `dce_rules`, `custom_partial_eval_rules`,
-  `JaxprStackFrame.add_eqn`, and the `JaxprTrace` recipe classes (see
-  `keep_in_partial_eval`).
-- `jax._src.effects`: the effect base class and the effect-type sets.
-- `jax._src.dispatch.apply_primitive`: eager execution of a primitive.
-- `jax._src.source_info_util`: the user's call site of a primitive being lowered, and
-  `register_exclusion` (this file's frames are not the user's).
-- `jax._src.xla_bridge.backends_are_initialized`: whether the CPU client exists.
-- `jax._src.lib.mlir.dialects.hlo.create_token`: the token that starts a chain.
-- `jax._src.callback._FlatCallback.__call__` and `jax._src.debugging.debug_callback_impl`:
-  where host callbacks run (see `track_host_callbacks`).
-- `jax._src.export._export.call_exported_p`: the primitive that calls a deserialized
+- `jax._src.core`: `jaxprs_in_params` (the nested jaxprs of an equation),
+  `abstract_token` (the aval of the chain token an FFI call takes), `set_current_trace`
+  and `trace_state_clean` (tracing state: see `run_tangent_rules` and `outside_traces`).
+- `jax._src.interpreters.ad`: `LinearizeTrace`, `LinearizeTracer` (see
+  `run_tangent_rules`; `JVPTrace`/`JVPTracer` are public).
+- `jax._src.interpreters.mlir`: `jaxpr_subcomp`, as the module attribute JAX's rules
+  look up (see `ordered_lowering`).
+- `jax._src.interpreters.partial_eval`: `JaxprStackFrame` (see `keep_traced_equations`),
+  `_default_dce_rule` (see `guard_dce_rules`; JAX's notion of a removable effect
+  changes between releases, so it is not copied), `EffectHandle` and
+  `new_eqn_recipe` (see `keep_in_partial_eval`; `jax.interpreters.partial_eval`
+  re-exports the latter in 0.7.1 and 0.11.1+ only).
+- `jax._src.effects`: `Effect` and the effect-type sets `lowerable_effects`,
+  `control_flow_allowed_effects`, `custom_derivatives_allowed_effects`,
+  `remat_allowed_effects`, `ordered_effects`, `partial_eval_kept_effects` (see
+  `register_effect`).
+- `jax._src.source_info_util`: `user_frames` (the user's frames of a call site).
+- `jax._src.xla_bridge`: `backends_are_initialized` (see `cpu_client_started`).
+- `jax._src.callback`: `_FlatCallback` and `jax._src.debugging`: `debug_callback_impl`
+  (see `track_host_callbacks`).
+- `jax._src.export._export`: `call_exported_p`, the primitive that calls a deserialized
   `jax.export` function (its `exported` parameter is the `Exported`).
 """
 
@@ -65,37 +64,69 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-import numpy as np
-from jax._src import core, dispatch, dtypes, effects, source_info_util, xla_bridge
-from jax._src.export._export import call_exported_p
-from jax._src.interpreters import ad, batching, mlir
-from jax._src.interpreters import partial_eval as pe
-from jax._src.lib.mlir.dialects import hlo
+import jax
+import jax.numpy as jnp
+from jax.core import ShapedArray, eval_jaxpr
+from jax.extend import core as _extend_core
+from jax.extend import source_info_util
+from jax.extend.core import Jaxpr, Primitive
+from jax.interpreters import ad, batching, mlir
+from jax.interpreters import partial_eval as pe
+from jax.interpreters.ad import (Zero, instantiate_zeros, is_undefined_primal, primitive_jvps,
+                                 primitive_transposes)
+from jax.interpreters.batching import primitive_batchers
+from jax.interpreters.mlir import register_lowering
+from jaxlib.mlir.dialects import stablehlo as hlo
 
+# no public module re-exports these (the module docstring says what each is for)
+from jax._src import core as _core
+from jax._src import effects as _effects
+from jax._src import source_info_util as _source_info
+from jax._src import xla_bridge as _xla_bridge
+from jax._src.export._export import call_exported_p
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import mlir as _mlir
+from jax._src.interpreters import partial_eval as _pe
+
+# The names the rest of the package uses: rule tables, types and helpers, never a module.
 __all__ = [
-    "core", "ad", "batching", "mlir", "pe", "dispatch", "source_info_util",
+    "Primitive", "Jaxpr", "ShapedArray", "Zero", "instantiate_zeros", "is_undefined_primal",
+    "primitive_jvps", "primitive_transposes", "primitive_batchers", "register_lowering",
+    "abstract_token", "no_effects", "jaxprs_in_params", "outside_traces", "user_frames",
     "Effect", "register_effect", "cpu_client_started", "keep_traced_equations",
     "guard_dce_rules", "keep_alive_in_dce", "keep_in_partial_eval", "ordered_lowering",
-    "chain_token", "set_chain_token", "program_devices", "jaxprs_in_params", "mark_jaxpr",
+    "chain_token", "set_chain_token", "program_devices", "mark_jaxpr",
     "track_host_callbacks", "inside_host_callback", "exported_text", "call_exported_p",
     "carry_while_predicate", "run_tangent_rules",
 ]
 
-Effect = effects.Effect
+Effect = _effects.Effect
+abstract_token = _core.abstract_token  # the aval of an XLA token
+no_effects: frozenset = frozenset()  # (JAX's `core.no_effects` is this)
+jaxprs_in_params = _core.jaxprs_in_params  # every Jaxpr in an equation's params
+outside_traces = _core.trace_state_clean  # () -> whether no JAX trace is active
+
+
+def user_frames() -> list:
+    """The frames, outside JAX's own files, of the call that JAX is tracing or lowering
+    now (`file_name`, `start_line`, `function_name`); none outside a trace."""
+    tb = source_info_util.current().traceback
+    return [] if tb is None else list(_source_info.user_frames(tb))
+
+
 # The wrappers below sit between a user's code and JAX's on the Python stack; like JAX's
 # own files, this one is left out of the source locations recorded in programs (HLO
 # metadata) and of filtered tracebacks.
 source_info_util.register_exclusion(__file__)
-jaxprs_in_params = core.jaxprs_in_params  # every Jaxpr in an equation's params
 
 
 def register_effect(effect_type: type, *, ordered: bool) -> None:
     """Allow an effect type wherever JAX checks effects (loops, conditionals, custom
     derivatives, remat, lowering); `ordered` also makes JAX's lowering thread an XLA
     token for it. Relies on the effect-type sets of `jax._src.effects`."""
-    kinds = [effects.lowerable_effects, effects.control_flow_allowed_effects,
-             effects.custom_derivatives_allowed_effects, effects.remat_allowed_effects]
-    kinds.append(effects.ordered_effects if ordered else effects.partial_eval_kept_effects)
+    kinds = [_effects.lowerable_effects, _effects.control_flow_allowed_effects,
+             _effects.custom_derivatives_allowed_effects, _effects.remat_allowed_effects]
+    kinds.append(_effects.ordered_effects if ordered else _effects.partial_eval_kept_effects)
     for kind in kinds:
         kind.add_type(effect_type)
 
@@ -103,11 +134,11 @@ def register_effect(effect_type: type, *, ordered: bool) -> None:
 def cpu_client_started() -> bool:
     """Whether JAX has created its backends (then CPU dispatch settings are fixed).
     Relies on `xla_bridge.backends_are_initialized`."""
-    return xla_bridge.backends_are_initialized()
+    return _xla_bridge.backends_are_initialized()
 
 
 # --------------------------------------------------- dead code elimination --
-def keep_alive_in_dce(prim: core.Primitive) -> None:
+def keep_alive_in_dce(prim: Primitive) -> None:
     """DCE never drops an equation of `prim`, used or not. Relies on `pe.dce_rules`
     (rule signature `(used_outputs, eqn)`, from JAX 0.12 `(used_outputs, live_ins, eqn)`,
     `-> (used_inputs, eqn or None)`: the equation is the last argument)."""
@@ -120,10 +151,8 @@ def guard_dce_rules(communicates: Callable, skip: Callable) -> None:
     kept whole even when none of its outputs is used. `while_p` and `call_exported_p`
     have no entry in `pe.dce_rules` (JAX applies the default rule), so one is added.
     Idempotent. Relies on `pe.dce_rules`, `pe._default_dce_rule` and `loops.while_p`."""
-    from jax._src.lax.control_flow import loops
-
     # no entry in `pe.dce_rules`: JAX applies its default rule to these
-    extra = {p: pe._default_dce_rule for p in (loops.while_p, call_exported_p)
+    extra = {p: _pe._default_dce_rule for p in (jax.lax.while_p, call_exported_p)
              if p not in pe.dce_rules}
     for prim, rule in [*pe.dce_rules.items(), *extra.items()]:
         if skip(prim) or getattr(rule, "vjpmpi_guard", False):
@@ -149,7 +178,7 @@ def keep_traced_equations(communicates: Callable) -> None:
     effect-free equations weakly and forgets those whose outputs die; hold the ones
     that communicate strongly, as JAX does for effectful equations. Idempotent.
     Relies on `pe.JaxprStackFrame.add_eqn` keeping every equation while `auto_dce` is off."""
-    frame = pe.JaxprStackFrame
+    frame = _pe.JaxprStackFrame
     if getattr(frame.add_eqn, "vjpmpi_guard", False):
         return
     original = frame.add_eqn
@@ -188,7 +217,7 @@ def run_tangent_rules(wanted: Callable) -> None:
     and `ad.JVPTracer` / `ad.LinearizeTracer.__init__(self, trace, primal, tangent)`."""
     for trace_type, tracer_type, tangents_of in [
         (ad.JVPTrace, ad.JVPTracer, lambda trace: trace.parent_trace),
-        (ad.LinearizeTrace, ad.LinearizeTracer, lambda trace: trace.tangent_trace),
+        (_ad.LinearizeTrace, _ad.LinearizeTracer, lambda trace: trace.tangent_trace),
     ]:
         original = trace_type.process_primitive
         if getattr(original, "vjpmpi_guard", False):
@@ -219,10 +248,10 @@ def _with_a_real_tangent(trace, tracers, tracer_type, tangent_trace):
     if any(type(t) is not ad.Zero for _, t in pairs):
         return tracers
     for i, (primal, _) in enumerate(pairs):
-        aval = core.typeof(primal)
-        if hasattr(aval, "dtype") and dtypes.issubdtype(aval.dtype, np.inexact):
+        aval = jax.typeof(primal)
+        if hasattr(aval, "dtype") and jnp.issubdtype(aval.dtype, jnp.inexact):
             anchor = trace.__dict__.get("_vjpmpi_anchor")
-            with core.set_current_trace(tangent_trace):
+            with _core.set_current_trace(tangent_trace):
                 zero = (ad.instantiate_zeros(ad.Zero(aval.to_tangent_aval())) if anchor is None
                         else linear_zeros_p.bind(anchor, aval=aval.to_tangent_aval()))
             return [*tracers[:i], tracer_type(trace, primal, zero), *tracers[i + 1:]]
@@ -231,9 +260,9 @@ def _with_a_real_tangent(trace, tracers, tracer_type, tangent_trace):
 
 # zeros of `aval`, linear in (and independent of) its operand: the transpose gives the
 # operand a zero cotangent.
-linear_zeros_p = core.Primitive("vjpmpi_linear_zeros")
+linear_zeros_p = Primitive("vjpmpi_linear_zeros")
 linear_zeros_p.def_impl(lambda anchor, *, aval: _zeros(aval))
-linear_zeros_p.def_abstract_eval(lambda anchor, *, aval: core.ShapedArray(aval.shape, aval.dtype))
+linear_zeros_p.def_abstract_eval(lambda anchor, *, aval: ShapedArray(aval.shape, aval.dtype))
 mlir.register_lowering(linear_zeros_p, mlir.lower_fun(lambda anchor, *, aval: _zeros(aval),
                                                       multiple_results=False))
 ad.primitive_jvps[linear_zeros_p] = lambda primals, tangents, *, aval: (_zeros(aval), ad.Zero(aval))
@@ -243,12 +272,10 @@ batching.primitive_batchers[linear_zeros_p] = (
 
 
 def _zeros(aval):
-    import jax.numpy as jnp
-
     return jnp.zeros(aval.shape, aval.dtype)
 
 
-def keep_in_partial_eval(prim: core.Primitive) -> None:
+def keep_in_partial_eval(prim: Primitive) -> None:
     """JaxprTrace rule for `prim`: like JAX's default, but the staged equation is
     always kept. The old-style partial evaluator (`jax.linear_transpose`,
     `jax.linearize`) builds its jaxpr from what the outputs reach; a collective with
@@ -267,8 +294,8 @@ def keep_in_partial_eval(prim: core.Primitive) -> None:
         outs = [pe.JaxprTracer(trace, pe.PartialVal.unknown(a), None) for a in out_avals]
         source = source_info_util.current().replace(
             name_stack=trace._current_truncated_name_stack())
-        eqn = pe.new_eqn_recipe(trace, tracers, outs, prim, params, effs, source)
-        trace.effect_handles.append(pe.EffectHandle(tracers, eqn))
+        eqn = _pe.new_eqn_recipe(trace, tracers, outs, prim, params, effs, source)
+        trace.effect_handles.append(_pe.EffectHandle(tracers, eqn))
         for t in outs:
             t.recipe = eqn
         return outs
@@ -278,11 +305,11 @@ def keep_in_partial_eval(prim: core.Primitive) -> None:
 
 # ---------------------------------------------------------------- ordering --
 # JAX 0.11 made ClosedJaxpr an alias of Jaxpr (which holds its consts), 0.12 removed it
-_CLOSED_JAXPR = getattr(core, "ClosedJaxpr", core.Jaxpr)
+_CLOSED_JAXPR = getattr(_extend_core, "ClosedJaxpr", Jaxpr)
 
 
 def _map_param(value, fn):
-    if isinstance(value, core.Jaxpr):
+    if isinstance(value, Jaxpr):
         return fn(value)
     if isinstance(value, _CLOSED_JAXPR):
         return value.replace(jaxpr=fn(value.jaxpr))
@@ -292,8 +319,8 @@ def _map_param(value, fn):
     return value
 
 
-def mark_jaxpr(jaxpr: core.Jaxpr, effect, is_own: Callable, contains: Callable,
-               memo: dict) -> core.Jaxpr:
+def mark_jaxpr(jaxpr: Jaxpr, effect, is_own: Callable, contains: Callable,
+               memo: dict) -> Jaxpr:
     """A copy of `jaxpr` in which every equation of an own primitive (`is_own`) gets
     the parameter `ordered=True` and `effect`, and every equation whose nested jaxprs
     `contain` one gets `effect` and marked copies of those jaxprs. Relies on
@@ -314,7 +341,7 @@ def mark_jaxpr(jaxpr: core.Jaxpr, effect, is_own: Callable, contains: Callable,
         if is_own(eqn.primitive):
             eqn = eqn.replace(params={**eqn.params, "ordered": True},
                               effects={*eqn.effects, effect})
-        elif any(contains(j) for j in core.jaxprs_in_params(eqn.params)):
+        elif any(contains(j) for j in jaxprs_in_params(eqn.params)):
             params = {k: _map_param(v, mark) for k, v in eqn.params.items()}
             eqn = eqn.replace(params=params, effects={*eqn.effects, effect})
         eqns.append(eqn)
@@ -351,7 +378,7 @@ def ordered_lowering(effect, mark: Callable, contains: Callable,
     `(ctx, jaxpr, name_stack, tokens, consts, *args, **kw) -> (outs, tokens)`,
     `ctx.module`, `mlir.TokenSet` and on every JAX rule looking the function up as
     `mlir.jaxpr_subcomp` / a module global at call time. Idempotent."""
-    original = mlir.jaxpr_subcomp
+    original = _mlir.jaxpr_subcomp
     if getattr(original, "vjpmpi_guard", False):
         return
 
@@ -378,7 +405,7 @@ def ordered_lowering(effect, mark: Callable, contains: Callable,
 
     jaxpr_subcomp.vjpmpi_guard = True
     jaxpr_subcomp.__wrapped__ = original
-    mlir.jaxpr_subcomp = jaxpr_subcomp
+    _mlir.jaxpr_subcomp = jaxpr_subcomp
 
 
 def chain_token(ctx: mlir.LoweringRuleContext, effect):
@@ -418,10 +445,7 @@ def carry_while_predicate(cond_communicates: Callable) -> None:
     `loops.while_p` and its params (`cond_jaxpr`, `body_jaxpr`, `cond_nconsts`,
     `body_nconsts`), `batching.AxisData` (`size`, `name`, `spmd_name`) and
     `core.eval_jaxpr`. Idempotent."""
-    import jax
-    from jax._src.lax.control_flow import loops
-
-    original = batching.fancy_primitive_batchers[loops.while_p]
+    original = batching.fancy_primitive_batchers[jax.lax.while_p]
     if getattr(original, "vjpmpi_guard", False):
         return
 
@@ -437,10 +461,10 @@ def carry_while_predicate(cond_communicates: Callable) -> None:
             init = vals[cond_nconsts + body_nconsts:]
 
             def pred(carry):
-                return core.eval_jaxpr(cond_jaxpr.jaxpr, cond_jaxpr.consts, *cconsts, *carry)[0]
+                return eval_jaxpr(cond_jaxpr.jaxpr, cond_jaxpr.consts, *cconsts, *carry)[0]
 
             def body(state):
-                carry = core.eval_jaxpr(body_jaxpr.jaxpr, body_jaxpr.consts, *bconsts, *state[1])
+                carry = eval_jaxpr(body_jaxpr.jaxpr, body_jaxpr.consts, *bconsts, *state[1])
                 return pred(carry), carry
 
             return jax.lax.while_loop(lambda state: state[0], body, (pred(init), list(init)))[1]
@@ -450,7 +474,7 @@ def carry_while_predicate(cond_communicates: Callable) -> None:
         return outs, [0] * len(outs)
 
     rule.vjpmpi_guard = True
-    batching.fancy_primitive_batchers[loops.while_p] = rule
+    batching.fancy_primitive_batchers[jax.lax.while_p] = rule
 
 
 # ----------------------------------------------------- outside the chain --

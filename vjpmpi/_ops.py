@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ._collective import Collective, bind, make_primitive
-from ._jax_compat import ad, core
+from ._jax_compat import ShapedArray, Zero, instantiate_zeros, is_undefined_primal
 from ._mpi import MAX, MIN, PROD, RED_NAMES, SUM, as_comm, as_red, check_dtype, check_red_dtype
 
 __all__ = [
@@ -32,7 +32,7 @@ def _like(i):
 
 
 def _with_shape(aval, shape):
-    return core.ShapedArray(shape, aval.dtype, weak_type=aval.weak_type)
+    return ShapedArray(shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def _is_root(params):
@@ -61,12 +61,12 @@ def _call(name, x, params, *, tangent=False, **changes):
 
 
 def _zeros(arg):
-    return jnp.zeros(arg.aval.shape, arg.aval.dtype) if ad.is_undefined_primal(arg) else jnp.zeros_like(arg)
+    return jnp.zeros(arg.aval.shape, arg.aval.dtype) if is_undefined_primal(arg) else jnp.zeros_like(arg)
 
 
 def _only_linear(args, cts):
     """Cotangents for the linear operands, None for the constant ones."""
-    return [ct if ad.is_undefined_primal(a) else None for a, ct in zip(args, cts)]
+    return [ct if is_undefined_primal(a) else None for a, ct in zip(args, cts)]
 
 
 def _t_reduce(cts, args, p):  # y_root = sum_s x_s, y_r = x_r elsewhere
@@ -167,7 +167,7 @@ def _recurrence(a, b, p, *, reverse=False, tangent=False):
 
 
 def _jvp_others_product(primals, tangents, outs, p):  # d(pre * post), each a recurrence
-    (x,), t = primals, ad.instantiate_zeros(tangents[0])
+    (x,), t = primals, instantiate_zeros(tangents[0])
     pre, post = _call("exscan", x, p, red=PROD), _call("exscan_reversed", x, p, red=PROD)
     return [_recurrence(x, t * pre, p, tangent=True) * post
             + pre * _recurrence(x, t * post, p, reverse=True, tangent=True)]
@@ -230,15 +230,15 @@ def _checked(jvp):
     def rule(primals, tangents, outs, p):
         if p["red"] not in (PROD, MAX, MIN):
             raise _not_differentiable(p["red"])
-        return jvp(primals, [ad.instantiate_zeros(t) for t in tangents], outs, p)
+        return jvp(primals, [instantiate_zeros(t) for t in tangents], outs, p)
     return rule
 
 
 def _jvp_recurrence(reverse):
     def jvp(primals, tangents, outs, p):  # de = E(a, da * e + db)
         (a, b), (da, db), (e,) = primals, tangents, outs
-        u = ad.instantiate_zeros(db)
-        if type(da) is not ad.Zero:
+        u = instantiate_zeros(db)
+        if type(da) is not Zero:
             u = u + da * e
         return [_recurrence(a, u, p, reverse=reverse, tangent=True)]
     return jvp

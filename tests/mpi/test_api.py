@@ -278,3 +278,19 @@ def test_vmap_in_axes_not_zero():
     x = jnp.arange(12.0).reshape(3, 4) + rank
     got = jax.vmap(lambda v: vjpmpi.allreduce(v, MPI.SUM), in_axes=1, out_axes=1)(x)
     np.testing.assert_array_equal(got, sum(np.arange(12.0).reshape(3, 4) + r for r in range(size)))
+
+
+def test_disable_jit_still_communicates():
+    # Under jax.disable_jit() a jitted body runs as Python, so every collective, and
+    # every transposed one of the backward pass, is bound outside any trace and runs
+    # through the primitive's own eager implementation.
+    x = jnp.arange(3.0) + rank
+    total = sum(np.arange(3.0) + r for r in range(size))
+    f = jax.jit(lambda x: (vjpmpi.allreduce(x * 2, MPI.SUM), vjpmpi.bcast(x, size - 1)))
+    with jax.disable_jit():
+        summed, bcast = f(x)
+        grad = jax.grad(lambda x: vjpmpi.allreduce(x * x, MPI.SUM).sum())(x)
+    np.testing.assert_array_equal(summed, 2 * total)
+    np.testing.assert_array_equal(bcast, np.arange(3.0) + size - 1)
+    # every rank's loss sums every rank's squares: d/dx of the sum over ranks is 2 size x
+    np.testing.assert_array_equal(grad, 2 * size * (np.arange(3.0) + rank))

@@ -1,0 +1,120 @@
+"""vjpmpi's seam with JAX: one module, public names where JAX has them, a pinned list
+of private ones.
+
+`vjpmpi/_jax_compat.py` is the only module that imports JAX's internals; the rest of
+the package takes names from it (never a JAX module). Of those internals, the private
+ones (`jax._src`) are exactly PRIVATE below, and each is named in `_jax_compat`'s
+docstring with what it is for. A new private name is a decision: add it here and there.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import types
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "vjpmpi"
+COMPAT = PACKAGE / "_jax_compat.py"
+# JAX's internal modules, public or private: only _jax_compat.py imports these
+INTERNAL = ("jax._src", "jax.interpreters", "jax.extend", "jaxlib.mlir", "jax.core")
+
+PRIVATE = {
+    "jax._src.core": {"abstract_token", "jaxprs_in_params", "set_current_trace",
+                      "trace_state_clean"},
+    "jax._src.interpreters.ad": {"LinearizeTrace", "LinearizeTracer"},
+    "jax._src.interpreters.mlir": {"jaxpr_subcomp"},
+    "jax._src.interpreters.partial_eval": {"JaxprStackFrame", "_default_dce_rule",
+                                           "EffectHandle", "new_eqn_recipe"},
+    "jax._src.effects": {"Effect", "lowerable_effects", "control_flow_allowed_effects",
+                         "custom_derivatives_allowed_effects", "remat_allowed_effects",
+                         "ordered_effects", "partial_eval_kept_effects"},
+    "jax._src.source_info_util": {"user_frames"},
+    "jax._src.xla_bridge": {"backends_are_initialized"},
+    "jax._src.callback": {"_FlatCallback"},
+    "jax._src.debugging": {"debug_callback_impl"},
+    "jax._src.export._export": {"call_exported_p"},
+}
+
+
+def _imported_modules(tree: ast.AST) -> list[str]:
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return out
+
+
+def private_names_used(path: pathlib.Path) -> dict[str, set[str]]:
+    """{private module: names} that `path` reads: `from jax._src.m import name`, and
+    `alias.name` where `alias` is a `jax._src` module imported as a whole."""
+    tree = ast.parse(path.read_text())
+    aliases, used = {}, {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax._src"):
+            for a in node.names:
+                aliases[a.asname or a.name] = (node.module, a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("jax._src"):
+                    aliases[a.asname or a.name] = (a.name, None)
+    dereferenced = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in aliases):
+            module, name = aliases[node.value.id]
+            full = module if name is None else f"{module}.{name}"
+            used.setdefault(full, set()).add(node.attr)
+            dereferenced.add(node.value.id)
+    for alias, (module, name) in aliases.items():
+        if alias not in dereferenced and name is not None:  # an object, used by name
+            used.setdefault(module, set()).add(name)
+    return used
+
+
+def test_only_the_compat_module_imports_jax_internals():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == COMPAT:
+            continue
+        for module in _imported_modules(ast.parse(path.read_text())):
+            if module.startswith(INTERNAL):
+                offenders.append(f"{path.relative_to(PACKAGE)}: {module}")
+    assert offenders == []
+
+
+def test_the_compat_module_hands_out_names_not_modules():
+    import vjpmpi._jax_compat as jc
+
+    modules = [n for n in jc.__all__ if isinstance(getattr(jc, n), types.ModuleType)]
+    assert modules == []
+    # and the package uses only what it hands out
+    unknown = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "_jax_compat":
+                unknown += [a.name for a in node.names if a.name not in jc.__all__]
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id == "jc" and node.attr not in jc.__all__):
+                unknown.append(f"{path.name}: jc.{node.attr}")
+    assert unknown == []
+
+
+def test_private_names_are_the_pinned_and_documented_ones():
+    used = private_names_used(COMPAT)
+    assert used == PRIVATE
+    doc = ast.get_docstring(ast.parse(COMPAT.read_text()))
+    undocumented = [f"{m}.{n}" for m, names in PRIVATE.items() for n in sorted(names)
+                    if f"`{m}`" not in doc or f"`{n}`" not in doc]
+    assert undocumented == []
+
+
+def test_the_name_counter_sees_a_new_private_name(tmp_path):
+    # the check above can fail: a module reading one more private name
+    planted = tmp_path / "m.py"
+    planted.write_text(COMPAT.read_text() + "\nX = _core.get_aval\nfrom jax._src.api import jit\n")
+    used = private_names_used(planted)
+    assert used["jax._src.core"] - PRIVATE["jax._src.core"] == {"get_aval"}
+    assert used["jax._src.api"] == {"jit"}
