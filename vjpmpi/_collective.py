@@ -292,14 +292,13 @@ _BACKEND_NAMES = {"rocm": "ROCm", "tpu": "TPU", "METAL": "Metal"}
 
 # ------------------------------------------------------------- batching --
 def _batch(prim, spec: Collective, args, dims, **params):
+    # The batch axis goes to one fixed place, first within each rank's block, whatever
+    # this rank's batching (axes, unbatched operands): the buffers MPI pairs across
+    # ranks must have one layout on every rank, and another rank may batch differently.
     in_ax, out_ax = spec.rank_axis(params)
     mapped = [(a, d) for a, d in zip(args, dims) if d is not None]
     n = mapped[0][0].shape[mapped[0][1]]
-    same = len(mapped) == len(args) and len({d for _, d in mapped}) == 1
-    if same and not in_ax:
-        b = mapped[0][1]  # elementwise: keep the batch axis where it is
-    else:
-        b = 1 if in_ax else 0
+    b = 1 if in_ax else 0
     moved = []
     for a, d in zip(args, dims):
         if d is None:

@@ -294,3 +294,57 @@ def test_disable_jit_still_communicates():
     np.testing.assert_array_equal(bcast, np.arange(3.0) + size - 1)
     # every rank's loss sums every rank's squares: d/dx of the sum over ranks is 2 size x
     np.testing.assert_array_equal(grad, 2 * size * (np.arange(3.0) + rank))
+
+
+# Each rank batches the same logical program its own way (batch axis, an unbatched
+# template); the member results must not depend on it.
+def test_vmap_layout_does_not_depend_on_each_ranks_batching():
+    members = [np.arange(3.0, dtype=np.float32) + 10 * k + 100 * rank for k in range(4)]
+    stacked = np.stack(members)  # (4 members, 3)
+    # allreduce: rank 0 batches along axis 1, the others along axis 0
+    x, axis = (stacked.T, 1) if rank == 0 else (stacked, 0)
+    got = jax.vmap(lambda v: vjpmpi.allreduce(v, MPI.SUM), in_axes=axis, out_axes=0)(
+        jnp.asarray(x))
+    np.testing.assert_array_equal(got, sum(stacked - 100 * rank + 100 * r for r in range(size)))
+    if size < 2:
+        return
+    # sendrecv around the ring: rank 0 batches its template too, the others pass one
+    right, left = (rank + 1) % size, (rank - 1) % size
+
+    def f(s):
+        template = s * 0 if rank == 0 else jnp.zeros(3, jnp.float32)
+        return vjpmpi.sendrecv(s, template, source=left, dest=right)
+
+    got = jax.vmap(f, in_axes=1, out_axes=1)(jnp.asarray(stacked.T))
+    np.testing.assert_array_equal(got, (stacked - 100 * rank + 100 * left).T)
+
+
+# A receive fills its template or raises on the receiving rank; the senders' calls
+# are correct and complete.
+def test_receive_shorter_than_its_template_is_an_error():
+    right, left = (rank + 1) % size, (rank - 1) % size
+    short = rank == 1 % size  # rank 0 sends rank 1 (itself at 1 rank) 3 elements for 5
+    sent = jnp.arange(3.0 if rank == 0 else 5.0, dtype=jnp.float32) + 10 * rank
+
+    def exchange():
+        return jax.block_until_ready(
+            vjpmpi.sendrecv(sent, jnp.full(5, -7.0, jnp.float32), source=left, dest=right))
+
+    if short:
+        with pytest.raises(Exception, match=(
+                rf"vjpmpi.sendrecv: received 3 elements of float32 from rank {left} \(tag 0\), "
+                r"but the receive template holds 5 elements")):
+            exchange()
+    else:
+        np.testing.assert_array_equal(exchange(), np.arange(5.0) + 10 * left)
+    # recv (a message that is not a whole number of the template's elements aborts
+    # inside MPICH's MPI_Recv: the check of each program's signature must catch that)
+    if size < 2:
+        return
+    if rank == 0:
+        vjpmpi.send(jnp.arange(2.0, dtype=jnp.float32), 1, tag=4)
+    elif rank == 1:
+        with pytest.raises(Exception, match=r"vjpmpi.recv: received 2 elements of float32 "
+                                            r"from rank 0 \(tag 4\), but the receive template "
+                                            r"holds 4 elements"):
+            jax.block_until_ready(vjpmpi.recv(jnp.zeros(4, jnp.float32), 0, tag=4))

@@ -287,3 +287,31 @@ def test_python_scalars_and_weak_types():
     assert float(vjpmpi.allreduce(1.5, MPI.SUM)) == 1.5 * size
     assert int(vjpmpi.allreduce(2, MPI.MAX)) == 2
     assert vjpmpi.allgather(3.0).shape == (size,)
+
+
+# A NaN on any rank gives NaN in MAX/MIN on every rank, as jnp.max/jnp.min do (MPI's
+# built-in MAX/MIN keep or drop it depending on the order they combine the operands).
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32, np.float64])
+@pytest.mark.parametrize("op", ["MAX", "MIN"])
+def test_nan_propagates_in_max_and_min(dtype, op):
+    size, rank = WORLD.size, WORLD.rank
+
+    def local(r):
+        x = np.array([1.0, 2.0, 0.5, 3.0, -1.0], np.float64) * (r + 1)
+        x[2] = np.nan if r == size - 1 else x[2]  # a NaN on the last rank
+        x[3] = np.nan if r == 0 else x[3]  # and on the first
+        return x.astype(dtype)
+
+    combine = np.maximum if op == "MAX" else np.minimum  # (both propagate NaN)
+    stack = np.stack([local(r).astype(np.float64) for r in range(size)])
+    red = getattr(MPI, op)
+    x = jax.numpy.asarray(local(rank))
+    got = jax.jit(lambda x: (vjpmpi.allreduce(x, red), vjpmpi.scan(x, red),
+                             vjpmpi.reduce(x, red, size - 1)))(x)
+    assert_equal(got[0], combine.reduce(stack).astype(dtype))
+    assert_equal(got[1], combine.accumulate(stack)[rank].astype(dtype))
+    if rank == size - 1:
+        assert_equal(got[2], combine.reduce(stack).astype(dtype))
+    blocks = np.stack([local(rank)] * size)  # reduce_scatter: rank r gets block r reduced
+    assert_equal(vjpmpi.reduce_scatter(jax.numpy.asarray(blocks), red),
+                 combine.reduce(stack).astype(dtype))

@@ -98,10 +98,9 @@ struct CudaMem {
 
   void Prepare(Call& c) {
     if (!cuda_mode_error.empty()) error = cuda_mode_error;
-    // vjpmpi's own reductions (float16/bfloat16, the recurrence's pairs) are host
-    // functions: stage those.
-    bool half_reduction = (c.kind == Kind::kF16 || c.kind == Kind::kBF16);
-    if (aware && (half_reduction || c.host_op)) aware = false;
+    // vjpmpi's own reductions (float16/bfloat16, float MAX/MIN, the recurrence's
+    // pairs) are host functions: stage those.
+    if (aware && (OwnOp(c.red, c.kind) || c.host_op)) aware = false;
     if (aware) {
       c.device = true;
       c.copy = &DeviceCopy;

@@ -200,6 +200,39 @@ inline MPI_Op HalfOp(bool bf16, Red r) {
   return ops[bf16 ? 1 : 0][static_cast<int>(r)];
 }
 
+// MAX and MIN of float32 and float64 as user-defined MPI ops: MPI's built-in ones
+// keep or drop a NaN depending on the order of the operands, so the ranks of one
+// allreduce could disagree. These give NaN wherever an operand is NaN, as jnp.max
+// and jnp.min do, identically on every rank.
+template <typename T, Red R>
+void FloatMinMax(void* in, void* inout, int* len, MPI_Datatype*) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    T x = a[i], y = b[i];
+    T m = R == Red::kMax ? (x > y ? x : y) : (x < y ? x : y);
+    b[i] = (x != x || y != y) ? x + y : m;
+  }
+}
+
+inline MPI_Op FloatOp(bool f64, Red r) {
+  static std::once_flag once;
+  static MPI_Op ops[2][2];
+  std::call_once(once, [] {
+    MPI_Op_create(&FloatMinMax<float, Red::kMax>, 1, &ops[0][0]);
+    MPI_Op_create(&FloatMinMax<float, Red::kMin>, 1, &ops[0][1]);
+    MPI_Op_create(&FloatMinMax<double, Red::kMax>, 1, &ops[1][0]);
+    MPI_Op_create(&FloatMinMax<double, Red::kMin>, 1, &ops[1][1]);
+  });
+  return ops[f64 ? 1 : 0][r == Red::kMax ? 0 : 1];
+}
+
+// Whether (r, k) reduces with one of vjpmpi's own (int-count) user functions.
+inline bool OwnOp(Red r, Kind k) {
+  if (k == Kind::kF16 || k == Kind::kBF16) return true;
+  return (k == Kind::kF32 || k == Kind::kF64) && (r == Red::kMax || r == Red::kMin);
+}
+
 // The MPI datatype an element kind travels as, and its size in bytes.
 struct KindInfo {
   MPI_Datatype type;
@@ -227,6 +260,7 @@ inline MPI_Op Operation(Red r, Kind k) {
     if (static_cast<int>(r) > static_cast<int>(Red::kMin)) return MPI_OP_NULL;
     return HalfOp(k == Kind::kBF16, r);
   }
+  if (OwnOp(r, k)) return FloatOp(k == Kind::kF64, r);
   switch (r) {
 #define VJPMPI_X(e, name) \
   case Red::e:            \
@@ -316,7 +350,8 @@ inline std::string CountCheck(size_t n, const char* op, bool user_op = false) {
   if (MPI_VERSION >= 4 && !user_op) return {};
   return std::string("vjpmpi.") + op + ": message of " + std::to_string(n) +
          " elements exceeds MPI's int count limit (2**31 - 1)" +
-         (user_op ? " for float16/bfloat16 reductions" : " and this MPI has no large-count calls");
+         (user_op ? " for vjpmpi's own reductions (float16/bfloat16, and float MAX/MIN)"
+                  : " and this MPI has no large-count calls");
 }
 
 template <typename Small, typename Big>
@@ -378,13 +413,12 @@ struct Call {
 inline int Rank(MPI_Comm c) { int r = 0; MPI_Comm_rank(c, &r); return r; }
 
 // ----------------------------------------------------- one per call shape --
-inline bool Half(Kind k) { return k == Kind::kF16 || k == Kind::kBF16; }
 
 // Allreduce, Scan and Exscan: one element-wise reduction call each, in place when
 // XLA aliased the buffers.
 #define VJPMPI_ELEMENTWISE(fn, comm)                                                     \
   [](const Call& c, MPI_Comm on, const void* send, void* recv) -> std::string {         \
-    auto e = CountCheck(c.count, c.op, Half(c.kind));                                   \
+    auto e = CountCheck(c.count, c.op, OwnOp(c.red, c.kind));                                   \
     if (!e.empty()) return e;                                                            \
     const void* s = send == recv ? MPI_IN_PLACE : send;                                  \
     MPI_Datatype t = Datatype(c.kind);                                                   \
@@ -397,7 +431,7 @@ inline std::string Allreduce(const Call& c, const void* send, void* recv) {
 }
 
 inline std::string Reduce(const Call& c, const void* send, void* recv) {
-  auto e = CountCheck(c.count, c.op, Half(c.kind));
+  auto e = CountCheck(c.count, c.op, OwnOp(c.red, c.kind));
   if (!e.empty()) return e;
   bool root = Rank(c.comm) == c.root;
   if (!root && send != recv) c.copy(recv, send, c.count * ByteSize(c.kind));
@@ -547,7 +581,7 @@ inline std::string Alltoall(const Call& c, const void* send, void* recv) {
 }
 
 inline std::string ReduceScatter(const Call& c, const void* send, void* recv) {
-  auto e = CountCheck(c.count, c.op, Half(c.kind));
+  auto e = CountCheck(c.count, c.op, OwnOp(c.red, c.kind));
   if (!e.empty()) return e;
   MPI_Datatype t = Datatype(c.kind);
   MPI_Op op = Operation(c.red, c.kind);
@@ -584,7 +618,7 @@ inline std::string Exscan(const Call& c, const void* send, void* recv) {
 // ours for the second one, stay small whatever the array's size. No division, so
 // exact with zeros. Out of place (x is the forward's input too).
 inline std::string OthersProduct(const Call& c, const void* x, void* out) {
-  auto e = CountCheck(c.count, c.op, Half(c.kind));
+  auto e = CountCheck(c.count, c.op, OwnOp(c.red, c.kind));
   if (!e.empty()) return e;
   MPI_Comm rev;
   e = DerivedComm(c.comm, Derived::kReversed, c.op, &rev);
@@ -705,6 +739,32 @@ inline std::string Send(const Call& c, const void* send, void*) {
                "MPI_Send");
 }
 
+// A receive fills its whole template or is an error: MPI accepts a shorter message
+// and leaves the rest of the buffer as it was (a longer one is MPI_ERR_TRUNCATE).
+// Nothing arrives from MPI_PROC_NULL, and the template is kept.
+inline std::string ReceivedAll(const Call& c, const MPI_Status& st, size_t want) {
+  if (st.MPI_SOURCE == MPI_PROC_NULL) return {};
+  MPI_Datatype t = Datatype(c.kind);
+#if MPI_VERSION >= 4
+  MPI_Count got = 0;
+  int rc = MPI_Get_count_c(&st, t, &got);
+#else
+  int got = 0;
+  int rc = MPI_Get_count(&st, t, &got);
+#endif
+  if (rc != MPI_SUCCESS) return Check(rc, c.op, "MPI_Get_count");
+  if (got != MPI_UNDEFINED && static_cast<size_t>(got) == want) return {};
+  int bytes = 0;
+  MPI_Get_count(&st, MPI_BYTE, &bytes);
+  std::string what = got == MPI_UNDEFINED
+      ? std::to_string(bytes) + " bytes (not a whole number of " + KindName(c.kind) + ")"
+      : std::to_string(static_cast<long long>(got)) + " elements of " + KindName(c.kind);
+  return std::string("vjpmpi.") + c.op + ": received " + what + " from rank " +
+         std::to_string(st.MPI_SOURCE) + " (tag " + std::to_string(st.MPI_TAG) +
+         "), but the receive template holds " + std::to_string(want) +
+         " elements: the array sent and the template must have the same size and dtype";
+}
+
 inline std::string Recv(const Call& c, const void*, void* recv) {
   auto e = CountCheck(c.count, c.op);
   if (!e.empty()) return e;
@@ -713,7 +773,7 @@ inline std::string Recv(const Call& c, const void*, void* recv) {
   e = Check(VJPMPI_BY_COUNT(c.count, MPI_Recv, recv, n, t, c.peer2, c.tag2, c.comm, &st), c.op,
             "MPI_Recv");
   if (c.status) *c.status = st;
-  return e;
+  return e.empty() ? ReceivedAll(c, st, c.count) : e;
 }
 
 inline std::string Sendrecv(const Call& c, const void* send, void* recv) {
@@ -733,7 +793,7 @@ inline std::string Sendrecv(const Call& c, const void* send, void* recv) {
                            c.peer2, c.tag2, c.comm, &st), c.op, "MPI_Sendrecv");
   }
   if (c.status) *c.status = st;
-  return e;
+  return e.empty() ? ReceivedAll(c, st, c.count2) : e;
 }
 
 inline std::string Barrier(const Call& c, const void*, void*) {
