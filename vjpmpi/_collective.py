@@ -421,7 +421,7 @@ def bind(prim: jc.Primitive, args: Sequence, comm: CommRef, **params) -> list:
 
 def _eager(prim: jc.Primitive, params: dict) -> Callable:
     """The jitted call of `prim` with `params` that eager calls run (kept)."""
-    key = (prim, *sorted(params.items(), key=lambda item: item[0]))
+    key = (prim, *params.items())  # (bind and JAX both pass `comm` first)
     call = _EAGER.get(key)
     if call is None:
         if len(_EAGER) >= _EAGER_MAX:  # e.g. a fresh MPI.Status object on every call

@@ -50,7 +50,7 @@ inline H FromHandle(int64_t h) {
   X(kLxor, LXOR) X(kBand, BAND) X(kBor, BOR) X(kBxor, BXOR)
 
 // X(enumerator, NumPy dtype name, XLA FFI DataType, MPI datatype, bytes per element).
-// float16 and bfloat16 travel as 16-bit words and are reduced by HalfOp.
+// float16 and bfloat16 travel as 16-bit words and are reduced by OwnOperation.
 #define VJPMPI_KINDS(X)                                                                  \
   X(kBool, bool, PRED, MPI_C_BOOL, 1)                                                   \
   X(kI8, int8, S8, MPI_INT8_T, 1)                                                       \
@@ -165,72 +165,67 @@ inline uint16_t FloatToBF16(float f) {
   return (uint16_t)(x >> 16);
 }
 
+// vjpmpi's own reductions, as user-defined MPI ops: SUM, PROD, MAX and MIN of
+// float16 and bfloat16 (which travel as 16-bit words and are combined in float),
+// and MAX and MIN of float32 and float64, where MPI's built-in ops keep or drop a
+// NaN depending on the order of the operands (so the ranks of one allreduce could
+// disagree). MAX and MIN give NaN wherever an operand is NaN, as jnp.max and
+// jnp.min do, identically on every rank.
+template <Red R, typename T>
+T Combine(T x, T y) {
+  if constexpr (R == Red::kSum) return x + y;
+  else if constexpr (R == Red::kProd) return x * y;
+  else if constexpr (R == Red::kMax) return (x != x || y != y) ? x + y : (x > y ? x : y);
+  else return (x != x || y != y) ? x + y : (x < y ? x : y);
+}
+
 template <uint16_t (*ToBits)(float), float (*FromBits)(uint16_t), Red R>
 void HalfReduce(void* in, void* inout, int* len, MPI_Datatype*) {
   const uint16_t* a = static_cast<const uint16_t*>(in);
   uint16_t* b = static_cast<uint16_t*>(inout);
-  for (int i = 0; i < *len; ++i) {
-    float x = FromBits(a[i]), y = FromBits(b[i]), r;
-    if constexpr (R == Red::kSum) r = x + y;
-    else if constexpr (R == Red::kProd) r = x * y;
-    else if constexpr (R == Red::kMax) r = (x != x || y != y) ? x + y : (x > y ? x : y);
-    else r = (x != x || y != y) ? x + y : (x < y ? x : y);
-    b[i] = ToBits(r);
-  }
+  for (int i = 0; i < *len; ++i) b[i] = ToBits(Combine<R>(FromBits(a[i]), FromBits(b[i])));
 }
 
-// User-defined MPI ops for float16 and bfloat16, made once after MPI_Init;
-// indexed by the code of SUM, PROD, MAX, MIN (the first four).
-static_assert(static_cast<int>(Red::kSum) == 0 && static_cast<int>(Red::kProd) == 1 &&
-                  static_cast<int>(Red::kMax) == 2 && static_cast<int>(Red::kMin) == 3,
-              "HalfOp and Operation expect SUM, PROD, MAX, MIN to be codes 0-3");
-inline MPI_Op HalfOp(bool bf16, Red r) {
-  static std::once_flag once;
-  static MPI_Op ops[2][4];
-  std::call_once(once, [] {
-    MPI_Op_create(&HalfReduce<FloatToHalf, HalfToFloat, Red::kSum>, 1, &ops[0][0]);
-    MPI_Op_create(&HalfReduce<FloatToHalf, HalfToFloat, Red::kProd>, 1, &ops[0][1]);
-    MPI_Op_create(&HalfReduce<FloatToHalf, HalfToFloat, Red::kMax>, 1, &ops[0][2]);
-    MPI_Op_create(&HalfReduce<FloatToHalf, HalfToFloat, Red::kMin>, 1, &ops[0][3]);
-    MPI_Op_create(&HalfReduce<FloatToBF16, BF16ToFloat, Red::kSum>, 1, &ops[1][0]);
-    MPI_Op_create(&HalfReduce<FloatToBF16, BF16ToFloat, Red::kProd>, 1, &ops[1][1]);
-    MPI_Op_create(&HalfReduce<FloatToBF16, BF16ToFloat, Red::kMax>, 1, &ops[1][2]);
-    MPI_Op_create(&HalfReduce<FloatToBF16, BF16ToFloat, Red::kMin>, 1, &ops[1][3]);
-  });
-  return ops[bf16 ? 1 : 0][static_cast<int>(r)];
-}
-
-// MAX and MIN of float32 and float64 as user-defined MPI ops: MPI's built-in ones
-// keep or drop a NaN depending on the order of the operands, so the ranks of one
-// allreduce could disagree. These give NaN wherever an operand is NaN, as jnp.max
-// and jnp.min do, identically on every rank.
 template <typename T, Red R>
-void FloatMinMax(void* in, void* inout, int* len, MPI_Datatype*) {
+void PlainReduce(void* in, void* inout, int* len, MPI_Datatype*) {
   const T* a = static_cast<const T*>(in);
   T* b = static_cast<T*>(inout);
-  for (int i = 0; i < *len; ++i) {
-    T x = a[i], y = b[i];
-    T m = R == Red::kMax ? (x > y ? x : y) : (x < y ? x : y);
-    b[i] = (x != x || y != y) ? x + y : m;
-  }
-}
-
-inline MPI_Op FloatOp(bool f64, Red r) {
-  static std::once_flag once;
-  static MPI_Op ops[2][2];
-  std::call_once(once, [] {
-    MPI_Op_create(&FloatMinMax<float, Red::kMax>, 1, &ops[0][0]);
-    MPI_Op_create(&FloatMinMax<float, Red::kMin>, 1, &ops[0][1]);
-    MPI_Op_create(&FloatMinMax<double, Red::kMax>, 1, &ops[1][0]);
-    MPI_Op_create(&FloatMinMax<double, Red::kMin>, 1, &ops[1][1]);
-  });
-  return ops[f64 ? 1 : 0][r == Red::kMax ? 0 : 1];
+  for (int i = 0; i < *len; ++i) b[i] = Combine<R>(a[i], b[i]);
 }
 
 // Whether (r, k) reduces with one of vjpmpi's own (int-count) user functions.
 inline bool OwnOp(Red r, Kind k) {
-  if (k == Kind::kF16 || k == Kind::kBF16) return true;
+  if (k == Kind::kF16 || k == Kind::kBF16) return static_cast<int>(r) <= static_cast<int>(Red::kMin);
   return (k == Kind::kF32 || k == Kind::kF64) && (r == Red::kMax || r == Red::kMin);
+}
+
+// The own ops, made once after MPI_Init; indexed by kind (float16, bfloat16,
+// float32, float64) and the code of SUM, PROD, MAX, MIN (the first four).
+static_assert(static_cast<int>(Red::kSum) == 0 && static_cast<int>(Red::kProd) == 1 &&
+                  static_cast<int>(Red::kMax) == 2 && static_cast<int>(Red::kMin) == 3,
+              "OwnOperation expects SUM, PROD, MAX, MIN to be codes 0-3");
+template <Red R>
+void Create(MPI_Op (&row)[4][4]) {
+  constexpr int i = static_cast<int>(R);
+  MPI_Op_create(&HalfReduce<FloatToHalf, HalfToFloat, R>, 1, &row[0][i]);
+  MPI_Op_create(&HalfReduce<FloatToBF16, BF16ToFloat, R>, 1, &row[1][i]);
+  if constexpr (R == Red::kMax || R == Red::kMin) {
+    MPI_Op_create(&PlainReduce<float, R>, 1, &row[2][i]);
+    MPI_Op_create(&PlainReduce<double, R>, 1, &row[3][i]);
+  }
+}
+
+inline MPI_Op OwnOperation(Red r, Kind k) {
+  static std::once_flag once;
+  static MPI_Op ops[4][4];
+  std::call_once(once, [] {
+    Create<Red::kSum>(ops);
+    Create<Red::kProd>(ops);
+    Create<Red::kMax>(ops);
+    Create<Red::kMin>(ops);
+  });
+  int kind = k == Kind::kF16 ? 0 : k == Kind::kBF16 ? 1 : k == Kind::kF32 ? 2 : 3;
+  return ops[kind][static_cast<int>(r)];
 }
 
 // The MPI datatype an element kind travels as, and its size in bytes.
@@ -256,11 +251,8 @@ inline size_t ByteSize(Kind k) { return Info(k).bytes; }
 // The MPI_Op for a reduction code on an element kind; MPI_OP_NULL if the pair
 // is not supported (Python validates first, this is the backstop).
 inline MPI_Op Operation(Red r, Kind k) {
-  if (k == Kind::kF16 || k == Kind::kBF16) {
-    if (static_cast<int>(r) > static_cast<int>(Red::kMin)) return MPI_OP_NULL;
-    return HalfOp(k == Kind::kBF16, r);
-  }
-  if (OwnOp(r, k)) return FloatOp(k == Kind::kF64, r);
+  if (OwnOp(r, k)) return OwnOperation(r, k);
+  if (k == Kind::kF16 || k == Kind::kBF16) return MPI_OP_NULL;
   switch (r) {
 #define VJPMPI_X(e, name) \
   case Red::e:            \
