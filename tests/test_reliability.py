@@ -149,6 +149,112 @@ def test_program_on_several_devices_of_one_process_is_an_error(tmp_path):
     assert "one device: [0. 1. 2. 3.]" in run.output, run.describe()
 
 
+# A rank runs a program again (verified when all ranks ran it): it moves data without
+# comparing. Another rank runs a program new to it whose collective disagrees: it
+# compares, finds the first rank already inside the collective (it cannot be told) and
+# ends the job with the message, instead of a wrong answer on both.
+HIT_AND_MISS = """
+    x = jnp.ones((2, 3), jnp.float32)
+    f = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
+    f(x).block_until_ready()
+    say(f"rank {rank} first call ok")
+    if rank == 0:
+        f(x).block_until_ready()
+    else:
+        jax.jit(lambda v: vjpmpi.allreduce(v.T, MPI.SUM))(x).block_until_ready()
+    say(f"rank {rank} NO ERROR")
+"""
+
+
+@NPROCS
+def test_disagreement_with_a_rank_already_inside_ends_the_job(tmp_path, nprocs):
+    run, took = run_script(tmp_path, HIT_AND_MISS, nprocs=nprocs, timeout=120)
+    assert not run.timed_out and run.returncode != 0, run.describe()
+    assert len(report(run, "first call ok")) == nprocs and "NO ERROR" not in run.output
+    assert re.search(r"vjpmpi\.allreduce: the ranks disagree on a communicator of "
+                     rf"{nprocs} ranks \(their collective #2 there\): shape differs", run.output)
+    assert re.search(r"\n  rank 0: allreduce\(SUM\) on float32\[2, 3\] \(already running it: "
+                     r"it ran this program before\)", run.output), run.describe()
+    assert re.search(r"\n  rank 1: allreduce\(SUM\) on float32\[3, 2\]\n", run.output)
+    assert "Aborting the job: some ranks cannot be told" in run.output
+    assert took < 60, f"job took {took:.1f} s to end"
+
+
+# One rank runs a collective more than the others, which end: it learns that they
+# called MPI_Finalize (their windows say so) instead of waiting for them forever.
+EXTRA_AT_THE_END = """
+    x = jnp.ones(3, jnp.float32)
+    jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))(x).block_until_ready()
+    if rank == 0:
+        jax.jit(lambda v: vjpmpi.bcast(v, 0))(x).block_until_ready()   # the others don't
+        say("NO ERROR")
+"""
+
+
+@NPROCS
+def test_collective_after_the_others_finished_ends_the_job(tmp_path, nprocs):
+    run, took = run_script(tmp_path, EXTRA_AT_THE_END, nprocs=nprocs, timeout=120)
+    assert not run.timed_out and run.returncode != 0, run.describe()
+    assert "NO ERROR" not in run.output
+    assert re.search(r"vjpmpi\.bcast: not every rank runs this collective on a communicator "
+                     rf"of {nprocs} ranks \(their collective #2 there\)", run.output)
+    assert re.search(r"\n  rank 0: bcast\(root=0\) on float32\[3\]", run.output)
+    for r in range(1, nprocs):
+        assert f"\n  rank {r}: has called MPI_Finalize without running it" in run.output
+    assert took < 60, f"job took {took:.1f} s to end"
+
+
+# With VJPMPI_CHECK every collective is compared; a rank waiting for others that never
+# come (here: they sleep after their last collective) gives up at VJPMPI_TIMEOUT (60 s
+# without it), saying where each rank is, and ends the job.
+EXTRA_WHILE_OTHERS_SLEEP = """
+    x = jnp.ones(3, jnp.float32)
+    jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))(x).block_until_ready()
+    if rank == 0:
+        jax.jit(lambda v: vjpmpi.bcast(v, 0))(x).block_until_ready()
+        say("NO ERROR")
+    else:
+        time.sleep(300)
+"""
+
+
+@NPROCS
+def test_check_waits_for_absent_ranks_within_its_limit(tmp_path, nprocs):
+    run, took = run_script(tmp_path, EXTRA_WHILE_OTHERS_SLEEP, nprocs=nprocs, timeout=120,
+                           env={**CHECK, "VJPMPI_TIMEOUT": "3"})
+    assert not run.timed_out and run.returncode != 0, run.describe()
+    assert re.search(rf"vjpmpi: timeout \(VJPMPI_TIMEOUT=3 s\): rank 0 of {nprocs} has waited "
+                     r"3\.\d s in bcast\(root=0\) on float32\[3\] at \S+prog.py:\d+ \S+, on a "
+                     rf"communicator of {nprocs} ranks \(rank 0 there\); the other ranks did not "
+                     r"join it \(it is their collective #2 there\)", run.output), run.describe()
+    for r in range(1, nprocs):
+        assert f"\n  rank {r}: has not reached it" in run.output
+        assert (f"\n  (rank {r}'s last collective there: #1, allreduce(SUM) on float32[3])"
+                in run.output), run.describe()
+    assert took < 60, f"job took {took:.1f} s to end"
+
+
+def test_check_compares_point_to_point_dtypes(tmp_path):
+    """Same number of bytes, another dtype: MPI cannot tell; VJPMPI_CHECK sends a header
+    first and the receiver raises, naming both sides. The ranks go on in step."""
+    run, _ = run_script(tmp_path, """
+        if rank == 0:
+            vjpmpi.send(jnp.arange(4, dtype=jnp.float32), 1, tag=3)
+        else:
+            try:
+                vjpmpi.recv(jnp.zeros(4, jnp.int32), 0, tag=3).block_until_ready()
+                say("NO ERROR")
+            except Exception as e:
+                say("caught:", str(e).splitlines()[0])
+        say(f"rank {rank} after:", vjpmpi.allreduce(jnp.ones(2), MPI.SUM))
+    """, env=CHECK, timeout=60)
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert re.search(r"caught: .*vjpmpi\.recv: \(VJPMPI_CHECK\) rank 0 sent float32\[4\] "
+                     r"\(send\(dest=1\) on float32\[4\] at \S+prog.py:\d+ \S+\) with tag 3, but "
+                     r"rank 1's receive template is int32\[4\]", run.output), run.describe()
+    assert len(report(run, "after: [2. 2.]")) == 2, run.describe()
+
+
 HANG = """
     x = jnp.ones(1000, jnp.float32)
     if rank == 0:

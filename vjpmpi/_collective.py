@@ -10,10 +10,13 @@ and protection from dead code elimination.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import hashlib
 import pathlib
 import sys
+import threading
 import weakref
 from typing import Callable, Sequence
 
@@ -30,8 +33,10 @@ _LIBRARY_DIRS = tuple(str(pathlib.Path(m.__file__).resolve().parent)
                       for m in (jax, np)) + (_PACKAGE_DIR, "<frozen")
 
 # The attributes every FFI handler takes (csrc/vjpmpi_handlers.h), besides `comm`
-# and `site`. A primitive carries only the parameters its spec declares; each maps
-# onto one of these, the others are lowered as 0.
+# (vjpmpi's number for the communicator), `site` (the call-site hash), `sig` (the
+# program's signature on the communicator) and `invalid` (an argument error found at
+# trace time, raised at run time on every rank). A primitive carries only the
+# parameters its spec declares; each maps onto one of these, the others are lowered as 0.
 FFI_ATTRS = ("red", "root", "peer", "peer2", "tag", "tag2", "status", "reverse")
 
 # How a call-site description (VJPMPI_CHECK, VJPMPI_TIMEOUT) shows a parameter.
@@ -62,6 +67,8 @@ class Collective:
       linear map; `args` holds `UndefinedPrimal`s for the linear operands.
     - `nonlinear_jvp`: `(primals, tangents, outs, params) -> tangents out` when not
       linear (`outs`: the primal results).
+    - `point_to_point`: the op pairs with one peer's op (send, recv, sendrecv), not with
+      a collective of every rank: it takes no part in the ranks' agreement on collectives.
     """
 
     name: str
@@ -74,6 +81,7 @@ class Collective:
     linear: Callable[[dict], bool] = lambda params: True
     transpose: Callable | None = None
     nonlinear_jvp: Callable | None = None
+    point_to_point: bool = False
 
     def ffi_target(self) -> str | None:
         return self.name if self.target == "" else self.target
@@ -159,7 +167,7 @@ class Ordered(jc.Effect):
 
 ORDERED = Ordered()
 jc.register_effect(Ordered, ordered=True)
-_marked: "weakref.WeakKeyDictionary[jc.Jaxpr, jc.Jaxpr]" = weakref.WeakKeyDictionary()
+_SPEC_OF: dict[jc.Primitive, "Collective"] = {}
 
 
 def _mark(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
@@ -171,7 +179,77 @@ def _mark(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
             "exported function carries its own ordering chain and cannot be ordered "
             "against the rest of the program; call it in a program of its own, or export "
             "the whole program.")
-    return jc.mark_jaxpr(jaxpr, ORDERED, _PRIMITIVES.__contains__, contains_collective, _marked)
+    sigs = signatures(jaxpr)
+
+    def own_params(eqn):
+        if eqn.primitive not in _PRIMITIVES:
+            return None
+        return {"ordered": True, "sig": sigs.get(eqn.params["comm"], 0)}
+
+    return jc.mark_jaxpr(jaxpr, ORDERED, own_params, contains_collective, {})
+
+
+# ---------------------------------------------------- program signatures --
+# A program's signature on a communicator: a hash of the structure of its collectives
+# there (each one's op, parameters, dtype and per-rank block, and the loops and branches
+# around them). The kernels compare the ranks' collectives when a rank runs a program
+# whose signature it has not yet seen verified (csrc/vjpmpi_agree.h); ranks that run the
+# same collectives have the same signature, whatever else their programs compute.
+_structures: "weakref.WeakKeyDictionary[jc.Jaxpr, dict]" = weakref.WeakKeyDictionary()
+
+
+def signatures(jaxpr: jc.Jaxpr) -> dict[CommRef, int]:
+    """{communicator: signature} of the program `jaxpr` (a nonzero int64, the same in
+    every process: not Python's per-process `hash`)."""
+    out = {}
+    for comm, items in _structure(jaxpr).items():
+        digest = hashlib.blake2b(repr(items).encode(), digest_size=8).digest()
+        out[comm] = int.from_bytes(digest, "little", signed=True) or 1
+    return out
+
+
+def _structure(jaxpr: jc.Jaxpr) -> dict[CommRef, tuple]:
+    if not contains_collective(jaxpr):
+        return {}
+    hit = _structures.get(jaxpr)
+    if hit is not None:
+        return hit
+    seq = collections.defaultdict(list)
+    for eqn in jaxpr.eqns:
+        spec = _SPEC_OF.get(eqn.primitive)
+        if spec is not None:
+            if not spec.point_to_point and spec.ffi_target() is not None:
+                seq[eqn.params["comm"]].append(_item(spec, eqn))
+            continue
+        parts = [_structure(j) for j in jc.jaxprs_in_params(eqn.params)]
+        name = eqn.primitive.name
+        for comm in {c for part in parts for c in part}:
+            subs = [part.get(comm, ()) for part in parts]
+            if name == "cond" and any(sub != subs[0] for sub in subs):
+                seq[comm].append(("cond", tuple(subs)))
+            elif name == "cond":
+                seq[comm].extend(subs[0])
+            elif name in ("while", "scan"):
+                seq[comm].append((name, eqn.params.get("length"), tuple(subs)))
+            else:  # calls, remat, custom derivatives: their bodies, in order
+                for sub in subs:
+                    seq[comm].extend(sub)
+    out = {c: tuple(v) for c, v in seq.items()}
+    _structures[jaxpr] = out
+    return out
+
+
+def _item(spec: "Collective", eqn) -> tuple:
+    """What the ranks must agree on about one collective: its op and parameters, dtype
+    and per-rank block (the operand without the communicator's rank axis)."""
+    params = eqn.params
+    detail = tuple((k, int(params[k])) for k in spec.params)
+    if not eqn.invars:
+        return (spec.ffi_target(), detail)
+    aval = eqn.invars[0].aval
+    block = aval.shape[1:] if spec.rank_axis(params)[0] else aval.shape
+    return (spec.ffi_target(), tuple(sorted(spec.fixed.items())), detail, str(aval.dtype),
+            tuple(block))
 
 
 def _first_collective(jaxpr: jc.Jaxpr) -> str | None:
@@ -220,7 +298,8 @@ def _user_frame() -> str:
 
 
 def _site(ctx, spec: Collective, params) -> int:
-    """Register a description of this call site with the kernels (check/timeout on)."""
+    """Register a description of this call site with the kernels (check/timeout on); the
+    hash of its text, the same in every process that lowers the same call."""
     detail = [_DESCRIBE[k](params[k]) for k in spec.params if k in _DESCRIBE]
     detail += ["from the last rank down"] if spec.fixed.get("reverse") else []
     avals = ", ".join(f"{a.dtype}{list(a.shape)}" for a in ctx.avals_in)
@@ -280,8 +359,10 @@ def _lower(ctx, *args, spec: Collective, **params):
     attrs = dict.fromkeys(FFI_ATTRS, np.int64(0))
     attrs.update({attr: _int64(params[k]) for k, attr in spec.params.items()})
     attrs.update({attr: np.int64(v) for attr, v in spec.fixed.items()})
-    attrs["comm"] = _int64(params["comm"].handle)
+    attrs["comm"] = np.int64(params["comm"].id)
     attrs["site"] = np.int64(_site(ctx, spec, params) if _kernels.CHECK or _kernels.TIMEOUT else 0)
+    attrs["sig"] = np.int64(params.get("sig", 0))
+    attrs["invalid"] = np.int64(params.get("invalid", 0))
     outs = rule(sub, *args, token, **attrs)
     jc.set_chain_token(ctx, ORDERED, outs[-1])
     return outs[:-1]
@@ -362,7 +443,7 @@ def make_primitive(spec: Collective) -> tuple[jc.Primitive, jc.Primitive]:
     prim = jc.Primitive(f"vjpmpi_{spec.name}")
     lin = jc.Primitive(f"vjpmpi_{spec.name}_lin")
 
-    def abstract_eval(*avals, ordered=False, **params):
+    def abstract_eval(*avals, ordered=False, sig=0, **params):
         return spec.out_avals(params, *avals), {ORDERED} if ordered else jc.no_effects
 
     def lin_abstract_eval(*avals, **params):
@@ -386,6 +467,7 @@ def make_primitive(spec: Collective) -> tuple[jc.Primitive, jc.Primitive]:
         jc.keep_alive_in_dce(p)
         jc.keep_in_partial_eval(p)
         _PRIMITIVES.add(p)
+        _SPEC_OF[p] = spec
     jc.guard_dce_rules(_communicates, _PRIMITIVES.__contains__)
     jc.keep_traced_equations(_communicates)
     return prim, lin
@@ -410,24 +492,57 @@ _EAGER: dict = {}
 _EAGER_MAX = 512
 
 
+# Communicator number -> the Python thread that owns its collectives (the first that
+# traced or ran one on it; the kernels hold the same record, see `claim_thread`).
+_OWNERS: dict[int, int] = {}
+
+
+def _claim(comm: CommRef, op: str) -> None:
+    """This thread may run collectives on `comm` only if it owns it (the first thread to
+    ask does): MPI leaves collectives issued from several threads on one communicator
+    in no defined order across ranks."""
+    me = threading.get_native_id()
+    if _OWNERS.get(comm.id) == me:
+        return
+    owner, error = _kernels.cpu.claim_thread(comm.id, me)
+    if error:
+        raise RuntimeError(f"vjpmpi.{op}: {error}")
+    _OWNERS[comm.id] = owner
+
+
 def bind(prim: jc.Primitive, args: Sequence, comm: CommRef, **params) -> list:
     """Bind `prim` on `args` with its static parameters (exactly those its spec declares)."""
     if jc.inside_host_callback():
         raise RuntimeError(_IN_CALLBACK.format(op=prim.name.removeprefix("vjpmpi_")))
+    if not _SPEC_OF[prim].point_to_point:
+        _claim(comm, prim.name.removeprefix("vjpmpi_"))
     if not jc.outside_traces():
         return prim.bind(*args, comm=comm, **params)
     return _eager(prim, {"comm": comm, **params})(*args)
 
 
 def _eager(prim: jc.Primitive, params: dict) -> Callable:
-    """The jitted call of `prim` with `params` that eager calls run (kept)."""
+    """The jitted call of `prim` with `params` that eager calls run (kept while its
+    communicator lives: a communicator's programs are its own)."""
     key = (prim, *params.items())  # (bind and JAX both pass `comm` first)
     call = _EAGER.get(key)
     if call is None:
+        _forget_freed()
         if len(_EAGER) >= _EAGER_MAX:  # e.g. a fresh MPI.Status object on every call
             _EAGER.clear()
         call = _EAGER[key] = jax.jit(functools.partial(prim.bind, **params))
     return call
+
+
+def _forget_freed() -> None:
+    """Drop the eager programs of freed communicators (they can never run again)."""
+    alive: dict[int, bool] = {}
+    for key in list(_EAGER):
+        number = dict(key[1:])["comm"].id
+        if number not in alive:
+            alive[number] = _kernels.cpu.comm_alive(number)
+        if not alive[number]:
+            del _EAGER[key]
 
 
 def _apply(prim: jc.Primitive, *args, **params) -> list:

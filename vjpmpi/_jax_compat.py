@@ -319,13 +319,13 @@ def _map_param(value, fn):
     return value
 
 
-def mark_jaxpr(jaxpr: Jaxpr, effect, is_own: Callable, contains: Callable,
+def mark_jaxpr(jaxpr: Jaxpr, effect, own_params: Callable, contains: Callable,
                memo: dict) -> Jaxpr:
-    """A copy of `jaxpr` in which every equation of an own primitive (`is_own`) gets
-    the parameter `ordered=True` and `effect`, and every equation whose nested jaxprs
-    `contain` one gets `effect` and marked copies of those jaxprs. Relies on
-    `Jaxpr.replace`, `JaxprEqn.replace`, `ClosedJaxpr.replace` and on nested jaxprs
-    sitting in equation params as Jaxpr, ClosedJaxpr or tuples of them
+    """A copy of `jaxpr` in which every equation for which `own_params(eqn)` gives a dict
+    of parameters (the own primitives) gets those parameters and `effect`, and every
+    equation whose nested jaxprs `contain` one gets `effect` and marked copies of those
+    jaxprs. Relies on `Jaxpr.replace`, `JaxprEqn.replace`, `ClosedJaxpr.replace` and on
+    nested jaxprs sitting in equation params as Jaxpr, ClosedJaxpr or tuples of them
     (`core.jaxprs_in_params` looks at the same places)."""
     if not contains(jaxpr):
         return jaxpr
@@ -334,13 +334,13 @@ def mark_jaxpr(jaxpr: Jaxpr, effect, is_own: Callable, contains: Callable,
         return hit
 
     def mark(j):
-        return mark_jaxpr(j, effect, is_own, contains, memo)
+        return mark_jaxpr(j, effect, own_params, contains, memo)
 
     eqns = []
     for eqn in jaxpr.eqns:
-        if is_own(eqn.primitive):
-            eqn = eqn.replace(params={**eqn.params, "ordered": True},
-                              effects={*eqn.effects, effect})
+        extra = own_params(eqn)
+        if extra is not None:
+            eqn = eqn.replace(params={**eqn.params, **extra}, effects={*eqn.effects, effect})
         elif any(contains(j) for j in jaxprs_in_params(eqn.params)):
             params = {k: _map_param(v, mark) for k, v in eqn.params.items()}
             eqn = eqn.replace(params=params, effects={*eqn.effects, effect})

@@ -1,8 +1,12 @@
 """MPI objects as static parameters: communicators, reduction ops and dtypes.
 
-Communicators and ops enter jaxprs as small frozen records that hash and
-compare by the underlying MPI handle, so fresh `MPI.SUM` or communicator
-objects never cause a recompilation.
+Communicators and ops enter jaxprs as small frozen records: a communicator as
+vjpmpi's own number for it (kept on the communicator as an MPI attribute, so every
+mpi4py object of it has the same number, and never given to another communicator,
+unlike MPI's handle, which MPI hands out again once a communicator is freed), an op
+as its code. Fresh `MPI.SUM` or communicator objects never cause a recompilation,
+and a program compiled for a freed communicator fails instead of running on the
+next communicator that gets its handle.
 """
 
 from __future__ import annotations
@@ -21,21 +25,32 @@ __all__ = ["CommRef", "as_comm", "as_red", "check_dtype", "check_red_dtype", "RE
 
 @dataclasses.dataclass(frozen=True)
 class CommRef:
-    """A communicator as a static parameter: equal iff the MPI handle (and shape) is."""
+    """A communicator as a static parameter: equal iff vjpmpi's number for it is (1: the
+    default communicator, 2: COMM_WORLD, 3: COMM_SELF, then in order of first use)."""
 
-    handle: int
+    id: int
     size: int
     rank: int
     comm: Any = dataclasses.field(compare=False, hash=False, repr=False)
 
     def __post_init__(self):  # hashed on every eager call: once is enough
-        object.__setattr__(self, "_hash", hash((self.handle, self.size, self.rank)))
+        object.__setattr__(self, "_hash", hash((self.id, self.size, self.rank)))
 
     def __hash__(self) -> int:
         return self._hash
 
     def __repr__(self) -> str:
-        return f"CommRef(handle={self.handle:#x}, size={self.size}, rank={self.rank})"
+        return f"CommRef(#{self.id}, size={self.size}, rank={self.rank})"
+
+
+def _int64(v: int) -> int:
+    # (mpi4py may report an MPICH handle sign-extended to 64 unsigned bits)
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
+def _record(comm: MPI.Comm) -> CommRef:
+    number = _kernels.cpu.comm_number(_int64(comm.handle))
+    return CommRef(number, comm.Get_size(), comm.Get_rank(), comm)
 
 
 _default_lock = threading.Lock()
@@ -55,7 +70,9 @@ def default_comm() -> MPI.Intracomm:
             dup = MPI.COMM_WORLD.Dup()
             dup.Set_errhandler(MPI.ERRORS_RETURN)
             dup.Set_name("vjpmpi.COMM_WORLD")
-            _default = CommRef(dup.handle, dup.Get_size(), dup.Get_rank(), dup)
+            _default = _record(dup)  # (numbers 1, 2, 3: the same in every process)
+            _record(MPI.COMM_WORLD)
+            _record(MPI.COMM_SELF)
         return _default.comm
 
 
@@ -89,12 +106,12 @@ def as_comm(comm: Any, op: str) -> CommRef:
         raise TypeError(
             f"vjpmpi.{op}: argument 'comm' must be an intracommunicator, got an intercommunicator"
         )
-    # The record compares by (handle, size, rank), so caches keyed on it hit for every
+    # The record compares by (number, size, rank), so caches keyed on it hit for every
     # object of the same communicator; `.comm` is the object it was validated from.
-    ref = CommRef(comm.handle, comm.Get_size(), comm.Get_rank(), comm)
+    ref = _record(comm)
     if len(_checked) > 256:
         _checked.clear()
-    _checked[ref.handle] = ref
+    _checked[comm.handle] = ref
     return ref
 
 

@@ -7,7 +7,9 @@ vjpmpi's private duplicate of `COMM_WORLD`.
 
 from __future__ import annotations
 
+import itertools
 import operator
+import weakref
 from typing import Any
 
 import jax
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
+from . import _kernels
 from ._collective import Collective, bind, make_primitive
 from ._jax_compat import ShapedArray, Zero, instantiate_zeros, is_undefined_primal
 from ._mpi import MAX, MIN, PROD, RED_NAMES, SUM, as_comm, as_red, check_dtype, check_red_dtype
@@ -291,13 +294,14 @@ SPECS = {
         ),
         _reduction_spec("scan", _like(0), _jvp_scan, transpose=_t_scan),
         _reduction_spec("exscan", _like(0), _jvp_exscan(False), transpose=_t_exscan(False)),
-        Collective("send", lambda p, x: [], {"dest": "peer", "tag": "tag"}, transpose=_t_send),
+        Collective("send", lambda p, x: [], {"dest": "peer", "tag": "tag"}, transpose=_t_send,
+                   point_to_point=True),
         Collective("recv", _like(0), {"source": "peer2", "tag": "tag2", "status": "status"},
-                   alias=(0, 0), transpose=_t_recv),
+                   alias=(0, 0), transpose=_t_recv, point_to_point=True),
         Collective("sendrecv", _like(1),
                    {"dest": "peer", "source": "peer2", "sendtag": "tag", "recvtag": "tag2",
                     "status": "status"},
-                   alias=(1, 0), transpose=_t_sendrecv),
+                   alias=(1, 0), transpose=_t_sendrecv, point_to_point=True),
         Collective("barrier", lambda p: []),
         # The replicated-value pair (JAX's psum / pvary, Megatron's g / f).
         Collective("sum_replicated", _like(0), _RED, alias=(0, 0), target="allreduce",
@@ -371,6 +375,17 @@ def _tag(value: Any, op: str, arg: str, any_ok: bool = False) -> int:
     )
 
 
+# Receive statuses: a program names an `MPI.Status` by a slot number (never reused), not
+# by its address, and the kernels fill the slot's status only while the object is alive.
+_STATUS_SLOTS: dict[int, int] = {}  # id(status) -> slot, while it lives
+_next_slot = itertools.count(1)
+
+
+def _release_status(key: int, slot: int) -> None:
+    _STATUS_SLOTS.pop(key, None)
+    _kernels.cpu.release_status(slot)
+
+
 def _status(status: Any, op: str) -> int:
     if status is None:
         return 0
@@ -379,7 +394,12 @@ def _status(status: Any, op: str) -> int:
             f"vjpmpi.{op}: argument 'status' must be an mpi4py MPI.Status or None, "
             f"got {type(status).__name__}"
         )
-    return MPI._addressof(status)
+    slot = _STATUS_SLOTS.get(id(status))
+    if slot is None:
+        slot = _STATUS_SLOTS[id(status)] = next(_next_slot)
+        _kernels.cpu.register_status(slot, MPI._addressof(status))
+        weakref.finalize(status, _release_status, id(status), slot)
+    return slot
 
 
 def _rank_axis(x, comm, op: str) -> None:

@@ -50,72 +50,133 @@ using Impl = std::string (*)(const Call&, const void*, void*);
 enum class Count { kIn, kOut, kInPerRank };
 
 struct Attrs {
-  int64_t comm, red, root, peer, peer2, tag, tag2, status, reverse, site;
+  int64_t comm, red, root, peer, peer2, tag, tag2, status, reverse, site, sig, invalid;
+  int64_t run;  // the XLA run id of this execution (not an attribute)
 };
 
-Call MakeCall(const char* name, const Attrs& a) {
+Call MakeCall(const char* name, const Attrs& a, int uses) {
   Call c{};
   c.op = name;
-  c.comm = FromHandle<MPI_Comm>(a.comm);
+  c.comm = MPI_COMM_NULL;  // (resolved from the program's communicator number by Run)
   c.red = static_cast<Red>(a.red);
   c.root = static_cast<int>(a.root);
   c.peer = static_cast<int>(a.peer);
   c.peer2 = static_cast<int>(a.peer2);
   c.tag = static_cast<int>(a.tag);
   c.tag2 = static_cast<int>(a.tag2);
-  c.status = reinterpret_cast<MPI_Status*>(static_cast<uintptr_t>(a.status));
+  c.status = nullptr;  // (a slot's status: Run)
   c.reverse = a.reverse != 0;
+  c.uses = uses;
   return c;
+}
+
+void SetDims(const ffi::AnyBuffer::Dimensions& d, size_t skip, const int64_t** dims, int* ndim) {
+  *dims = d.size() > skip ? d.begin() + skip : nullptr;
+  *ndim = d.size() > skip ? static_cast<int>(d.size() - skip) : 0;
 }
 
 ffi::Error Unsupported(const char* name) {
   return ffi::Error::InvalidArgument(std::string("vjpmpi.") + name + ": unsupported dtype");
 }
 
-// Everything a handler does around its MPI call: guard (trace, overlap
-// counter, watchdog slot), finalized check, opt-in mismatch check, and the
-// memory policy's staging before and after.
-template <typename Mem, typename Body>
-ffi::Error Run(Mem& mem, Call& c, int64_t site, bool collective, Body body) {
+std::string SiteOf(int64_t site) {
+  Runtime* rt = CurrentRuntime();
+  return rt ? SiteText(*rt, site) : std::string();
+}
+
+void FillStatus(Runtime& rt, int64_t slot, const MPI_Status& st) {
+  std::lock_guard<std::mutex> lock(rt.status_mutex);
+  auto it = rt.statuses.find(slot);
+  if (it != rt.statuses.end()) *it->second = st;  // (a dead MPI.Status has no slot)
+}
+
+// Everything a handler does around its MPI call: the communicator the program names
+// (alive, and for a collective this thread's), `prepare` (what needs the communicator,
+// such as its size), the guard (trace, counters, watchdog slot), the ranks' agreement on
+// a collective (vjpmpi_agree.h) or the opt-in point-to-point check, the memory policy's
+// staging before and after, and the receive status of a status slot.
+template <typename Mem, typename Prepare, typename Body>
+ffi::Error Run(Mem& mem, Call& c, const Attrs& a, bool collective, Prepare prepare, Body body) {
   Runtime* rt = CurrentRuntime();
   if (rt == nullptr) {  // only a module imported around vjpmpi/_kernels.py
     return ffi::Error::Internal(std::string("vjpmpi.") + c.op +
                                 ": this backend's module is not attached to vjpmpi's runtime "
                                 "(import vjpmpi, which attaches it)");
   }
-  Guard guard(*rt, c.op, site, c.comm);
+  CommEntry* ce = nullptr;
   std::string e = CheckAlive(c.op);
-  if (e.empty() && collective && rt->check_enabled.load(std::memory_order_relaxed)) {
-    e = CheckCollective(*rt, c, site);
+  if (e.empty()) e = Resolve(*rt, c, a.comm, collective, &ce);
+  struct Busy {  // (one collective at a time on a communicator, in this process)
+    std::atomic<bool>* flag = nullptr;
+    ~Busy() {
+      if (flag) flag->store(false, std::memory_order_release);
+    }
+  } busy;
+  if (e.empty() && collective) {
+    if (ce->busy.exchange(true, std::memory_order_acquire)) {
+      e = std::string("vjpmpi.") + c.op + ": " + BusyError(ce->id, ce->size);
+    } else {
+      busy.flag = &ce->busy;
+    }
+  }
+  if (e.empty()) e = prepare();
+  if (!e.empty()) return ffi::Error::Internal(e);
+  mem.Prepare(c);
+  Guard guard(*rt, c.op, a.site, c.comm);
+  c.site = a.site;
+  c.site_text = &SiteOf;
+  MPI_Status status{};
+  if (a.status) c.status = &status;
+  if (collective && rt->agreement.load(std::memory_order_relaxed)) {
+    std::string invalid = a.invalid ? SiteText(*rt, a.invalid) : std::string();
+    if (a.invalid && invalid.empty()) invalid = "an argument error (its text is not known here)";
+    e = EnsureChannel(*rt, *ce, c.op);
+    if (e.empty()) {
+      guard.Pause();
+      e = Agree(*rt, *ce, c, static_cast<uint64_t>(a.sig), a.run, invalid);
+      guard.Resume();
+    }
+  } else {
+    c.check_p2p = rt->check_enabled.load(std::memory_order_relaxed);
   }
   if (e.empty()) e = body();
   std::string end = mem.End();
   if (e.empty()) e = end;
+  if (a.status) FillStatus(*rt, a.status, status);
   return e.empty() ? ffi::Error::Success() : ffi::Error::Internal(e);
 }
 
+inline std::string Ok() { return {}; }
+
 // (x, token) -> (y, token): every collective with one array in and one out.
-template <Impl F, Count N, typename Mem>
+template <Impl F, Count N, int Uses, typename Mem>
 ffi::Error Unary(Mem mem, const char* name, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                  const Attrs& a) {
-  Call c = MakeCall(name, a);
+  Call c = MakeCall(name, a, Uses);
   c.kind = KindOf(x.element_type());
   if (c.kind == Kind::kUnsupported) return Unsupported(name);
   c.host_op = F == OthersProduct;  // multiplies on the host
-  if (N == Count::kIn) {
-    c.count = x.element_count();
-  } else if (N == Count::kOut) {
-    c.count = y->element_count();
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (N == Count::kOut) {
+    SetDims(yd, 0, &c.dims, &c.ndim);
   } else {
-    std::string e = CheckAlive(name);
-    if (!e.empty()) return ffi::Error::Internal(e);
-    int size = 1;
-    MPI_Comm_size(c.comm, &size);
-    c.count = x.element_count() / static_cast<size_t>(size);
+    SetDims(xd, N == Count::kInPerRank ? 1 : 0, &c.dims, &c.ndim);
   }
-  c.count2 = c.count;
-  mem.Prepare(c);
-  return Run(mem, c, a.site, F != Recv, [&] {
+  SetDims(yd, 0, &c.dims2, &c.ndim2);  // (a receive's template)
+  return Run(mem, c, a, F != Recv, [&] {
+    if (N == Count::kIn) {
+      c.count = x.element_count();
+    } else if (N == Count::kOut) {
+      c.count = y->element_count();
+    } else {
+      int size = 1;
+      MPI_Comm_size(c.comm, &size);
+      c.count = x.element_count() / static_cast<size_t>(size);
+    }
+    c.count2 = c.count;
+    return Ok();
+  }, [&] {
     const void* in = mem.In(x.untyped_data(), x.size_bytes());
     void* out = mem.Out(y->untyped_data(), y->size_bytes());
     std::string e = mem.Begin();
@@ -126,12 +187,12 @@ ffi::Error Unary(Mem mem, const char* name, ffi::AnyBuffer x, ffi::Result<ffi::A
 // (x, token) -> token
 template <typename Mem>
 ffi::Error SendH(Mem mem, ffi::AnyBuffer x, const Attrs& a) {
-  Call c = MakeCall("send", a);
+  Call c = MakeCall("send", a, 0);
   c.kind = KindOf(x.element_type());
   if (c.kind == Kind::kUnsupported) return Unsupported("send");
   c.count = c.count2 = x.element_count();
-  mem.Prepare(c);
-  return Run(mem, c, a.site, false, [&] {
+  SetDims(x.dimensions(), 0, &c.dims, &c.ndim);
+  return Run(mem, c, a, false, Ok, [&] {
     const void* in = mem.In(x.untyped_data(), x.size_bytes());
     std::string e = mem.Begin();
     return e.empty() ? Send(c, in, nullptr) : e;
@@ -142,15 +203,16 @@ ffi::Error SendH(Mem mem, ffi::AnyBuffer x, const Attrs& a) {
 template <typename Mem>
 ffi::Error SendrecvH(Mem mem, ffi::AnyBuffer x, ffi::AnyBuffer tmpl,
                      ffi::Result<ffi::AnyBuffer> y, const Attrs& a) {
-  Call c = MakeCall("sendrecv", a);
+  Call c = MakeCall("sendrecv", a, 0);
   c.kind = KindOf(x.element_type());
   if (c.kind == Kind::kUnsupported || KindOf(y->element_type()) != c.kind) {
     return Unsupported("sendrecv");
   }
   c.count = x.element_count();
   c.count2 = y->element_count();
-  mem.Prepare(c);
-  return Run(mem, c, a.site, false, [&] {
+  SetDims(x.dimensions(), 0, &c.dims, &c.ndim);
+  SetDims(y->dimensions(), 0, &c.dims2, &c.ndim2);
+  return Run(mem, c, a, false, Ok, [&] {
     const void* in = mem.In(x.untyped_data(), x.size_bytes());
     mem.In(tmpl.untyped_data(), tmpl.size_bytes());  // unreceived elements keep it
     void* out = mem.Out(y->untyped_data(), y->size_bytes());
@@ -163,7 +225,7 @@ ffi::Error SendrecvH(Mem mem, ffi::AnyBuffer x, ffi::AnyBuffer tmpl,
 template <typename Mem>
 ffi::Error RecurrenceH(Mem mem, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> y,
                        const Attrs& attrs) {
-  Call c = MakeCall("recurrence", attrs);
+  Call c = MakeCall("recurrence", attrs, 0);
   c.kind = KindOf(b.element_type());
   if (AffinePair(c.kind).op == MPI_OP_NULL || KindOf(a.element_type()) != c.kind ||
       a.element_count() != b.element_count()) {
@@ -171,8 +233,8 @@ ffi::Error RecurrenceH(Mem mem, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<
   }
   c.count = c.count2 = b.element_count();
   c.host_op = true;
-  mem.Prepare(c);
-  return Run(mem, c, attrs.site, true, [&] {
+  SetDims(b.dimensions(), 0, &c.dims, &c.ndim);
+  return Run(mem, c, attrs, true, Ok, [&] {
     const void* pa = mem.In(a.untyped_data(), a.size_bytes());
     const void* pb = mem.In(b.untyped_data(), b.size_bytes());
     void* out = mem.Out(y->untyped_data(), y->size_bytes());
@@ -184,10 +246,9 @@ ffi::Error RecurrenceH(Mem mem, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<
 // token -> token
 template <typename Mem>
 ffi::Error BarrierH(Mem mem, const Attrs& a) {
-  Call c = MakeCall("barrier", a);
+  Call c = MakeCall("barrier", a, 0);
   c.kind = Kind::kU8;
-  mem.Prepare(c);
-  return Run(mem, c, a.site, true, [&] {
+  return Run(mem, c, a, true, Ok, [&] {
     std::string e = mem.Begin();
     return e.empty() ? Barrier(c, nullptr, nullptr) : e;
   });
@@ -195,53 +256,62 @@ ffi::Error BarrierH(Mem mem, const Attrs& a) {
 
 #define VJPMPI_ATTR_PARAMS                                                                   \
   int64_t comm, int64_t red, int64_t root, int64_t peer, int64_t peer2, int64_t tag,        \
-      int64_t tag2, int64_t status, int64_t reverse, int64_t site
-#define VJPMPI_ATTRS_OF Attrs{comm, red, root, peer, peer2, tag, tag2, status, reverse, site}
-#define VJPMPI_ATTRS                                                         \
-  .Attr<int64_t>("comm")       /* communicator handle (mpi4py .handle) */   \
-      .Attr<int64_t>("red")    /* reduction code, see Red */                \
-      .Attr<int64_t>("root")   /* root rank */                              \
-      .Attr<int64_t>("peer")   /* destination rank */                       \
-      .Attr<int64_t>("peer2")  /* source rank */                            \
-      .Attr<int64_t>("tag")    /* send tag */                               \
-      .Attr<int64_t>("tag2")   /* receive tag */                            \
-      .Attr<int64_t>("status") /* address of an MPI_Status to fill, or 0 */ \
-      .Attr<int64_t>("reverse") /* scans: 1 = from the last rank down */     \
-      .Attr<int64_t>("site")   /* call-site id (check/timeout), or 0 */
+      int64_t tag2, int64_t status, int64_t reverse, int64_t site, int64_t sig,             \
+      int64_t invalid
+#define VJPMPI_ATTRS_OF                                                                       \
+  Attrs{comm, red, root, peer, peer2, tag, tag2, status, reverse, site, sig, invalid, run.run_id}
+#define VJPMPI_ATTRS                                                                \
+  .Attr<int64_t>("comm")       /* vjpmpi's number of the communicator */           \
+      .Attr<int64_t>("red")    /* reduction code, see Red */                       \
+      .Attr<int64_t>("root")   /* root rank */                                     \
+      .Attr<int64_t>("peer")   /* destination rank */                              \
+      .Attr<int64_t>("peer2")  /* source rank */                                   \
+      .Attr<int64_t>("tag")    /* send tag */                                      \
+      .Attr<int64_t>("tag2")   /* receive tag */                                   \
+      .Attr<int64_t>("status") /* status slot to fill (a live MPI.Status), or 0 */ \
+      .Attr<int64_t>("reverse") /* scans: 1 = from the last rank down */            \
+      .Attr<int64_t>("site")   /* call-site hash (check/timeout), or 0 */          \
+      .Attr<int64_t>("sig")    /* the program's signature on the communicator */   \
+      .Attr<int64_t>("invalid") /* hash of an argument error found at trace time */
 
-#define VJPMPI_UNARY(Symbol, name, F, N)                                                  \
-  ffi::Error Symbol##Impl(VJPMPI_CTX_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token,           \
+// Every handler binds the backend's context, then the execution's run id.
+#define VJPMPI_BIND ffi::Ffi::Bind() VJPMPI_CTX_BIND.Ctx<ffi::RunId>()
+#define VJPMPI_PARAMS_FIRST VJPMPI_CTX_PARAMS_FIRST ffi::RunId run,
+
+#define VJPMPI_UNARY(Symbol, name, F, N, Uses)                                            \
+  ffi::Error Symbol##Impl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token,               \
                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,          \
                           VJPMPI_ATTR_PARAMS) {                                            \
-    return Unary<F, N>(VJPMPI_MEM, name, x, y, VJPMPI_ATTRS_OF);                           \
+    return Unary<F, N, Uses>(VJPMPI_MEM, name, x, y, VJPMPI_ATTRS_OF);                     \
   }                                                                                        \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(Symbol, Symbol##Impl,                                      \
-                                ffi::Ffi::Bind() VJPMPI_CTX_BIND                           \
+                                VJPMPI_BIND                                                \
                                     .Arg<ffi::AnyBuffer>() /* x */                         \
                                     .Arg<ffi::Token>()     /* ordering token */            \
                                     .Ret<ffi::AnyBuffer>() /* y */                         \
                                     .Ret<ffi::Token>()     /* ordering token */            \
                                         VJPMPI_ATTRS);
 
-VJPMPI_UNARY(kAllreduce, "allreduce", Allreduce, Count::kIn)
-VJPMPI_UNARY(kReduce, "reduce", Reduce, Count::kIn)
-VJPMPI_UNARY(kBcast, "bcast", Bcast, Count::kIn)
-VJPMPI_UNARY(kAllgather, "allgather", Allgather, Count::kIn)
-VJPMPI_UNARY(kGather, "gather", Gather, Count::kIn)
-VJPMPI_UNARY(kScatter, "scatter", Scatter, Count::kOut)
-VJPMPI_UNARY(kAlltoall, "alltoall", Alltoall, Count::kInPerRank)
-VJPMPI_UNARY(kReduceScatter, "reduce_scatter", ReduceScatter, Count::kOut)
-VJPMPI_UNARY(kScan, "scan", Scan, Count::kIn)
-VJPMPI_UNARY(kExscan, "exscan", Exscan, Count::kIn)
-VJPMPI_UNARY(kOthersProduct, "others_product", OthersProduct, Count::kIn)
-VJPMPI_UNARY(kRecv, "recv", Recv, Count::kOut)
+constexpr int kRed = kUsesRed, kRoot = kUsesRoot;
+VJPMPI_UNARY(kAllreduce, "allreduce", Allreduce, Count::kIn, kRed)
+VJPMPI_UNARY(kReduce, "reduce", Reduce, Count::kIn, kRed | kRoot)
+VJPMPI_UNARY(kBcast, "bcast", Bcast, Count::kIn, kRoot)
+VJPMPI_UNARY(kAllgather, "allgather", Allgather, Count::kIn, 0)
+VJPMPI_UNARY(kGather, "gather", Gather, Count::kIn, kRoot)
+VJPMPI_UNARY(kScatter, "scatter", Scatter, Count::kOut, kRoot)
+VJPMPI_UNARY(kAlltoall, "alltoall", Alltoall, Count::kInPerRank, 0)
+VJPMPI_UNARY(kReduceScatter, "reduce_scatter", ReduceScatter, Count::kOut, kRed)
+VJPMPI_UNARY(kScan, "scan", Scan, Count::kIn, kRed)
+VJPMPI_UNARY(kExscan, "exscan", Exscan, Count::kIn, kRed)
+VJPMPI_UNARY(kOthersProduct, "others_product", OthersProduct, Count::kIn, 0)
+VJPMPI_UNARY(kRecv, "recv", Recv, Count::kOut, 0)
 
-ffi::Error SendImpl(VJPMPI_CTX_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::Token>,
+ffi::Error SendImpl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::Token>,
                     VJPMPI_ATTR_PARAMS) {
   return SendH(VJPMPI_MEM, x, VJPMPI_ATTRS_OF);
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kSend, SendImpl,
-                              ffi::Ffi::Bind() VJPMPI_CTX_BIND
+                              VJPMPI_BIND
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::Token>()      // ordering token
                                   .Ret<ffi::Token>()      // ordering token
@@ -249,13 +319,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kSend, SendImpl,
 
 // Two arrays in, one out (which may alias the second): sendrecv, the recurrence.
 #define VJPMPI_BINARY(Symbol, Handler)                                                       \
-  ffi::Error Symbol##Impl(VJPMPI_CTX_PARAMS_FIRST ffi::AnyBuffer a, ffi::AnyBuffer b,       \
+  ffi::Error Symbol##Impl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer a, ffi::AnyBuffer b,           \
                           ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, \
                           VJPMPI_ATTR_PARAMS) {                                              \
     return Handler(VJPMPI_MEM, a, b, y, VJPMPI_ATTRS_OF);                                    \
   }                                                                                          \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(Symbol, Symbol##Impl,                                        \
-                                ffi::Ffi::Bind() VJPMPI_CTX_BIND                             \
+                                VJPMPI_BIND                                                  \
                                     .Arg<ffi::AnyBuffer>() /* a */                           \
                                     .Arg<ffi::AnyBuffer>() /* b */                           \
                                     .Arg<ffi::Token>()     /* ordering token */              \
@@ -268,12 +338,12 @@ VJPMPI_BINARY(kSendrecv, SendrecvH)
 // recurrence: a, the coefficients, and b, the inputs; y may alias b
 VJPMPI_BINARY(kRecurrence, RecurrenceH)
 
-ffi::Error BarrierImpl(VJPMPI_CTX_PARAMS_FIRST ffi::Token, ffi::Result<ffi::Token>,
+ffi::Error BarrierImpl(VJPMPI_PARAMS_FIRST ffi::Token, ffi::Result<ffi::Token>,
                        VJPMPI_ATTR_PARAMS) {
   return BarrierH(VJPMPI_MEM, VJPMPI_ATTRS_OF);
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier, BarrierImpl,
-                              ffi::Ffi::Bind() VJPMPI_CTX_BIND
+                              VJPMPI_BIND
                                   .Arg<ffi::Token>()  // ordering token
                                   .Ret<ffi::Token>()  // ordering token
                                       VJPMPI_ATTRS);
@@ -371,7 +441,67 @@ void DefineRuntime(nb::module_& m) {
   });
   // configure(check, timeout_seconds): the opt-in mismatch check and watchdog.
   m.def("configure", [](bool check, double timeout) { Configure(owned_runtime, check, timeout); });
+  // register_site(text) -> its hash (the `site` attribute; also argument errors' texts)
   m.def("register_site", [](const std::string& text) { return RegisterSite(owned_runtime, text); });
+  // comm_number(handle) -> vjpmpi's number for the communicator (the `comm` attribute)
+  m.def("comm_number", [](int64_t handle) {
+    int64_t id = 0;
+    std::string e = CommNumber(owned_runtime, FromHandle<MPI_Comm>(handle), &id);
+    if (!e.empty()) throw std::runtime_error(e);
+    return id;
+  });
+  // A status slot (the `status` attribute) filled at the address of a live MPI.Status;
+  // release_status when the object dies (calls then fill nothing).
+  m.def("register_status", [](int64_t slot, int64_t address) {
+    std::lock_guard<std::mutex> lock(owned_runtime.status_mutex);
+    owned_runtime.statuses[slot] = reinterpret_cast<MPI_Status*>(static_cast<uintptr_t>(address));
+  });
+  m.def("release_status", [](int64_t slot) {
+    std::lock_guard<std::mutex> lock(owned_runtime.status_mutex);
+    owned_runtime.statuses.erase(slot);
+  });
+  m.def("_status_slots", []() {  // (live ones, for the tests)
+    std::lock_guard<std::mutex> lock(owned_runtime.status_mutex);
+    return static_cast<int64_t>(owned_runtime.statuses.size());
+  });
+  // (collectives this process ran on a communicator, program signatures verified on it,
+  // freed) for the tests; the number of collectives compared across ranks so far.
+  m.def("_comm_info", [](int64_t id) {
+    CommEntry* e = owned_runtime.comms.Get(id);
+    if (e == nullptr) throw std::runtime_error("no such communicator number");
+    return nb::make_tuple(e->count, static_cast<int64_t>(e->verified.size()),
+                          e->comm.load() == MPI_COMM_NULL);
+  });
+  m.def("verified_count", []() { return owned_runtime.verified.load(); });
+  // The benchmark of the agreement's cost turns it off and on (benchmarks/suite.py);
+  // _forget_verified makes the next run of every program on a communicator a first one.
+  m.def("_set_agreement", [](bool on) { owned_runtime.agreement.store(on); });
+  m.def("_forget_verified", [](int64_t id) {
+    CommEntry* e = owned_runtime.comms.Get(id);
+    if (e == nullptr) throw std::runtime_error("no such communicator number");
+    e->verified.clear();
+    e->last_verified = 0;
+    e->ran = false;
+  });
+  m.def("comm_alive", [](int64_t id) {
+    CommEntry* e = owned_runtime.comms.Get(id);
+    return e != nullptr && e->comm.load() != MPI_COMM_NULL;
+  });
+  m.def("open_channels", []() {
+    std::lock_guard<std::mutex> lock(owned_runtime.comms.mutex);
+    return static_cast<int64_t>(owned_runtime.open_channels.size());
+  });
+  // claim_thread(number, thread) -> the thread that owns the communicator (the first
+  // to claim it), the error text for Python when that is another thread
+  m.def("claim_thread", [](int64_t id, uint64_t thread) {
+    CommEntry* e = owned_runtime.comms.Get(id);
+    if (e == nullptr) throw std::runtime_error("no such communicator number");
+    uint64_t owner = 0;
+    e->owner.compare_exchange_strong(owner, thread);
+    owner = e->owner.load();
+    return nb::make_tuple(owner, owner == thread ? std::string()
+                                                 : ThreadError(thread, owner, id, e->size));
+  });
   m.def("trace_enabled", []() { return owned_runtime.tracing; });
   // Returns and clears the recorded sequence of collectives.
   m.def("take_trace", []() {

@@ -381,6 +381,19 @@ inline const char* KindName(Kind k) {
 // gather/scatter family).  `send == recv` means in place.
 inline void HostCopy(void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); }
 
+inline constexpr int kMaxDims = 8;
+
+// `ndim` dimensions into `out` (kMaxDims of them; more: the last one hashes the rest).
+inline void PackDims(const int64_t* dims, int ndim, int64_t* out, int32_t* out_ndim) {
+  for (int i = 0; i < kMaxDims; ++i) out[i] = i < ndim ? dims[i] : 0;
+  if (ndim > kMaxDims) {
+    uint64_t h = 1469598103934665603ULL;
+    for (int i = kMaxDims - 1; i < ndim; ++i) h = (h ^ static_cast<uint64_t>(dims[i])) * 1099511628211ULL;
+    out[kMaxDims - 1] = static_cast<int64_t>(h);
+  }
+  *out_ndim = ndim;
+}
+
 struct Call {
   const char* op;
   MPI_Comm comm;
@@ -396,6 +409,16 @@ struct Call {
   MPI_Status* status;
   bool reverse = false;  // scans: over the ranks in reverse order (see OrderedComm)
   bool host_op = false;  // reduces with a host function (must see host memory)
+  int uses = 0;          // which of red / root the op takes (EntryFlags kUsesRed, kUsesRoot)
+  // The shape every rank must agree on: the per-rank block (for send: what is sent;
+  // for recv and sendrecv, dims2: the receive template).
+  const int64_t* dims = nullptr;
+  int ndim = 0;
+  const int64_t* dims2 = nullptr;
+  int ndim2 = 0;
+  bool check_p2p = false;  // VJPMPI_CHECK: point-to-point messages carry a header
+  int64_t site = 0;        // call-site hash (its text: the runtime's registry), or 0
+  std::string (*site_text)(int64_t) = nullptr;
   // Memory the buffers live in: host (default), or device memory handed to a
   // CUDA-aware MPI, where local copies go through `copy` (cudaMemcpy).
   void (*copy)(void* dst, const void* src, size_t bytes) = &HostCopy;
@@ -723,10 +746,81 @@ inline std::string Recurrence(const Call& c, const void* a, const void* b, void*
   return {};
 }
 
+// VJPMPI_CHECK: each point-to-point message is preceded by a header saying what it
+// holds (dtype, element count and shape, call site), which the receiver compares with
+// its template: dtype and element count must agree (a message may change shape, as a
+// sendrecv of a (6,) array into a (3, 2) template does). Without the check the element
+// count is still compared, from the message itself (ReceivedAll), but not the dtype.
+struct P2PHeader {
+  int32_t kind, ndim;
+  int64_t count;
+  int64_t dims[kMaxDims];
+  int64_t site;
+  char site_text[176];  // the sender's call site
+};
+
+inline P2PHeader MakeHeader(const Call& c, const int64_t* dims, int ndim) {
+  P2PHeader h{};
+  h.kind = static_cast<int32_t>(c.kind);
+  h.count = 1;
+  for (int i = 0; i < ndim; ++i) h.count *= dims[i];
+  PackDims(dims, ndim, h.dims, &h.ndim);
+  h.site = c.site;
+  if (c.site && c.site_text) std::snprintf(h.site_text, sizeof(h.site_text), "%s", c.site_text(c.site).c_str());
+  return h;
+}
+
+inline std::string ShapeText(int32_t kind, const int64_t* dims, int ndim) {
+  std::string s = std::string(KindName(static_cast<Kind>(kind))) + "[";
+  for (int i = 0; i < ndim && i < kMaxDims; ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + (ndim > kMaxDims ? ", ...]" : "]");
+}
+
+inline std::string SiteSuffix(const char* text) {
+  return text[0] ? std::string(" (") + text + ")" : std::string();
+}
+
+// "" if what arrived (`got`, from `source` with `tag`) matches this rank's template.
+inline std::string CompareHeader(const Call& c, const P2PHeader& got, int source, int tag) {
+  P2PHeader want = MakeHeader(c, c.dims2, c.ndim2);
+  if (got.kind == want.kind && got.count == want.count) return {};
+  return std::string("vjpmpi.") + c.op + ": (VJPMPI_CHECK) rank " + std::to_string(source) +
+         " sent " + ShapeText(got.kind, got.dims, got.ndim) + SiteSuffix(got.site_text) +
+         " with tag " + std::to_string(tag) + ", but rank " + std::to_string(Rank(c.comm)) +
+         "'s receive template is " + ShapeText(want.kind, want.dims, want.ndim) +
+         SiteSuffix(want.site_text) +
+         ": the array sent and the template must have the same dtype and number of elements";
+}
+
+// After a mismatched header: take the data message off the queue (and send ours, for a
+// sendrecv) so that neither side is left waiting; the receive is then an error.
+inline std::string Drain(const Call& c, const void* send, int source, int tag) {
+  MPI_Request req = MPI_REQUEST_NULL;
+  MPI_Datatype t = Datatype(c.kind);
+  if (send != nullptr) {
+    auto e = Check(VJPMPI_BY_COUNT(c.count, MPI_Isend, send, n, t, c.peer, c.tag, c.comm, &req),
+                   c.op, "MPI_Isend");
+    if (!e.empty()) return e;
+  }
+  MPI_Status st;
+  MPI_Probe(source, tag, c.comm, &st);
+  int bytes = 0;
+  MPI_Get_count(&st, MPI_BYTE, &bytes);
+  std::vector<unsigned char> scratch(static_cast<size_t>(bytes) + 1);
+  MPI_Recv(scratch.data(), bytes, MPI_BYTE, source, tag, c.comm, MPI_STATUS_IGNORE);
+  return send != nullptr ? Check(MPI_Wait(&req, MPI_STATUS_IGNORE), c.op, "MPI_Wait") : "";
+}
+
 inline std::string Send(const Call& c, const void* send, void*) {
   auto e = CountCheck(c.count, c.op);
   if (!e.empty()) return e;
   MPI_Datatype t = Datatype(c.kind);
+  if (c.check_p2p) {
+    P2PHeader h = MakeHeader(c, c.dims, c.ndim);
+    e = Check(MPI_Send(&h, sizeof(h), MPI_BYTE, c.peer, c.tag, c.comm), c.op,
+              "MPI_Send (VJPMPI_CHECK header)");
+    if (!e.empty()) return e;
+  }
   return Check(VJPMPI_BY_COUNT(c.count, MPI_Send, send, n, t, c.peer, c.tag, c.comm), c.op,
                "MPI_Send");
 }
@@ -757,12 +851,44 @@ inline std::string ReceivedAll(const Call& c, const MPI_Status& st, size_t want)
          " elements: the array sent and the template must have the same size and dtype";
 }
 
+// VJPMPI_CHECK: receive the header of the message that `source` / `tag` (possibly
+// MPI_ANY_SOURCE / MPI_ANY_TAG) will match next, then compare it with the template.
+// On return *source and *tag name the actual sender and tag (what the data receive
+// must name, so that it takes the message this header announced).
+inline std::string ReceiveHeader(const Call& c, const void* send, int* source, int* tag) {
+  P2PHeader got{};
+  MPI_Status st;
+  std::string e;
+  if (send != nullptr) {  // sendrecv: our header goes to dest meanwhile
+    P2PHeader mine = MakeHeader(c, c.dims, c.ndim);
+    e = Check(MPI_Sendrecv(&mine, sizeof(mine), MPI_BYTE, c.peer, c.tag, &got, sizeof(got),
+                           MPI_BYTE, *source, *tag, c.comm, &st),
+              c.op, "MPI_Sendrecv (VJPMPI_CHECK header)");
+  } else {
+    e = Check(MPI_Recv(&got, sizeof(got), MPI_BYTE, *source, *tag, c.comm, &st), c.op,
+              "MPI_Recv (VJPMPI_CHECK header)");
+  }
+  if (!e.empty() || st.MPI_SOURCE == MPI_PROC_NULL) return e;
+  *source = st.MPI_SOURCE;
+  *tag = st.MPI_TAG;
+  got.site_text[sizeof(got.site_text) - 1] = '\0';
+  e = CompareHeader(c, got, *source, *tag);
+  if (e.empty()) return e;
+  std::string drained = Drain(c, send, *source, *tag);
+  return drained.empty() ? e : e + " (" + drained + ")";
+}
+
 inline std::string Recv(const Call& c, const void*, void* recv) {
   auto e = CountCheck(c.count, c.op);
   if (!e.empty()) return e;
+  int source = c.peer2, tag = c.tag2;
+  if (c.check_p2p) {
+    e = ReceiveHeader(c, nullptr, &source, &tag);
+    if (!e.empty()) return e;
+  }
   MPI_Status st;
   MPI_Datatype t = Datatype(c.kind);
-  e = Check(VJPMPI_BY_COUNT(c.count, MPI_Recv, recv, n, t, c.peer2, c.tag2, c.comm, &st), c.op,
+  e = Check(VJPMPI_BY_COUNT(c.count, MPI_Recv, recv, n, t, source, tag, c.comm, &st), c.op,
             "MPI_Recv");
   if (c.status) *c.status = st;
   return e.empty() ? ReceivedAll(c, st, c.count) : e;
@@ -772,17 +898,22 @@ inline std::string Sendrecv(const Call& c, const void* send, void* recv) {
   size_t big = c.count > c.count2 ? c.count : c.count2;
   auto e = CountCheck(big, c.op);
   if (!e.empty()) return e;
+  int source = c.peer2, tag = c.tag2;
+  if (c.check_p2p) {
+    e = ReceiveHeader(c, send, &source, &tag);
+    if (!e.empty()) return e;
+  }
   MPI_Status st;
   MPI_Datatype t = Datatype(c.kind);
   if (Large(big)) {
 #if MPI_VERSION >= 4
     e = Check(MPI_Sendrecv_c(send, (MPI_Count)c.count, t, c.peer, c.tag, recv,
-                             (MPI_Count)c.count2, t, c.peer2, c.tag2, c.comm, &st),
+                             (MPI_Count)c.count2, t, source, tag, c.comm, &st),
               c.op, "MPI_Sendrecv");
 #endif
   } else {
     e = Check(MPI_Sendrecv(send, (int)c.count, t, c.peer, c.tag, recv, (int)c.count2, t,
-                           c.peer2, c.tag2, c.comm, &st), c.op, "MPI_Sendrecv");
+                           source, tag, c.comm, &st), c.op, "MPI_Sendrecv");
   }
   if (c.status) *c.status = st;
   return e.empty() ? ReceivedAll(c, st, c.count2) : e;

@@ -1,7 +1,8 @@
 // Run-time services shared by every backend's handlers: the one Runtime (call
-// sites, settings, counters, trace, watchdog) and how modules share it, the
-// per-call guard (overlap counter, opt-in trace), the opt-in collective mismatch
-// check (VJPMPI_CHECK) and the opt-in timeout watchdog (VJPMPI_TIMEOUT).
+// sites, communicators, status slots, settings, counters, trace, watchdog) and how
+// modules share it, the per-call guard (overlap counter, opt-in trace), the agreement
+// of the ranks on each collective (vjpmpi_agree.h) and the opt-in timeout watchdog
+// (VJPMPI_TIMEOUT).
 #pragma once
 
 #include <atomic>
@@ -12,8 +13,10 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
+#include "vjpmpi_agree.h"
 #include "vjpmpi_mpi.h"
 
 namespace vjpmpi {
@@ -29,12 +32,25 @@ namespace vjpmpi {
 struct Runtime {
   // Call sites: Python registers a description of each call site ("bcast(root=0)
   // float32[8] at train.py:12") when the check or the timeout is on, and passes
-  // its id as the `site` attribute (0: none).
+  // the hash of its text as the `site` attribute (0: none); the same in every process.
   std::mutex site_mutex;
-  std::vector<std::string> sites{""};
+  std::unordered_map<int64_t, std::string> sites;
 
-  // Settings (configure()).
+  // Communicators by vjpmpi's number for them (the `comm` attribute), and those with
+  // an agreement window, in the order they were opened (closed in reverse at finalize).
+  CommTable comms;
+  std::vector<CommEntry*> open_channels;
+  int comm_key = MPI_KEYVAL_INVALID;  // the attribute that holds a communicator's number
+  std::once_flag comm_keys;
+
+  // Receive statuses by slot (the `status` attribute): the address of a live
+  // mpi4py MPI.Status, removed when the object dies.
+  std::mutex status_mutex;
+  std::unordered_map<int64_t, MPI_Status*> statuses;
+
+  // Settings (configure()); `agreement` is off only in the benchmark that measures it.
   std::atomic<bool> check_enabled{false};
+  std::atomic<bool> agreement{true};
   std::atomic<double> timeout_seconds{0.0};
 
   // Kernel entries that found another vjpmpi kernel of this process still
@@ -42,6 +58,9 @@ struct Runtime {
   std::atomic<int64_t> in_flight{0};
   std::atomic<int64_t> overlaps{0};
   std::atomic<int64_t> calls{0};
+  // Collectives whose ranks were compared before they ran (first runs of programs,
+  // every collective under VJPMPI_CHECK): what the agreement costs, for the tests.
+  std::atomic<int64_t> verified{0};
 
   // Opt-in trace (VJPMPI_TRACE=1 when the CPU module is loaded): the sequence of
   // collectives this process ran, to compare across ranks.
@@ -61,7 +80,7 @@ struct Runtime {
 };
 
 // Bump when Runtime changes (members, order or meaning).
-inline constexpr uint32_t kRuntimeLayout = 1;
+inline constexpr uint32_t kRuntimeLayout = 2;
 inline constexpr uint64_t kRuntimeMagic = 0x766a706d70697274ULL;  // "vjpmpirt"
 
 #define VJPMPI_STR2(x) #x
@@ -135,16 +154,22 @@ inline std::string AttachRuntime(const RuntimeHandle* h, const char* module) {
   return {};
 }
 
-inline std::string Site(Runtime& rt, int64_t id, const char* op) {
+inline std::string SiteText(Runtime& rt, int64_t site) {
   std::lock_guard<std::mutex> lock(rt.site_mutex);
-  if (id > 0 && static_cast<size_t>(id) < rt.sites.size()) return rt.sites[id];
-  return op;
+  auto it = rt.sites.find(site);
+  return it == rt.sites.end() ? std::string() : it->second;
+}
+
+inline std::string Site(Runtime& rt, int64_t site, const char* op) {
+  std::string text = site ? SiteText(rt, site) : std::string();
+  return text.empty() ? std::string(op) : text;
 }
 
 inline int64_t RegisterSite(Runtime& rt, const std::string& text) {
+  int64_t h = TextHash(text);
   std::lock_guard<std::mutex> lock(rt.site_mutex);
-  rt.sites.push_back(text);
-  return static_cast<int64_t>(rt.sites.size() - 1);
+  rt.sites.emplace(h, text);
+  return h;
 }
 
 inline int64_t NowNs() {
@@ -175,6 +200,12 @@ struct Guard {
     rt.watch_start.store(0);
     rt.in_flight.fetch_sub(1, std::memory_order_acq_rel);
   }
+  // The ranks' agreement keeps time itself (it says where each rank is): the
+  // watchdog looks at the collective only once it starts moving data.
+  void Pause() { rt.watch_start.store(0); }
+  void Resume() {
+    if (rt.timeout_seconds.load(std::memory_order_relaxed) > 0) rt.watch_start.store(NowNs());
+  }
 };
 
 // Using vjpmpi after MPI_Finalize is an error, not a crash.
@@ -185,49 +216,435 @@ inline std::string CheckAlive(const char* op) {
   return {};
 }
 
-// ------------------------------------------------------ mismatch check --
-struct Fingerprint {
-  char op[24];
-  int32_t kind, red, root, pad;
-  int64_t count;
-  char where[224];
-};
-
-inline void CopyText(char* dst, size_t n, const std::string& s) {
-  std::snprintf(dst, n, "%s", s.c_str());
+// ------------------------------------------------------- communicators --
+// MPI calls this when a communicator with a vjpmpi number is freed: its programs
+// then fail (the number is never given to another communicator), and its window
+// is freed with it (collectively: every rank frees the communicator).
+inline void CloseChannel(Runtime& rt, CommEntry& e) {
+  Channel* ch = e.channel;
+  if (ch == nullptr) return;
+  e.channel = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(rt.comms.mutex);
+    auto& v = rt.open_channels;
+    v.erase(std::remove(v.begin(), v.end(), &e), v.end());
+  }
+  MPI_Win_unlock_all(ch->win);
+  MPI_Win_free(&ch->win);
+  MPI_Comm_free(&ch->dup);
+  delete ch;
 }
 
-// Before a collective: every rank of `c.comm` shares what it is about to run;
-// on disagreement every rank returns the same message listing all of them.
-inline std::string CheckCollective(Runtime& rt, const Call& c, int64_t site) {
-  Fingerprint mine{};
-  CopyText(mine.op, sizeof(mine.op), c.op);
-  mine.kind = static_cast<int32_t>(c.kind);
-  mine.red = static_cast<int32_t>(c.red);
-  mine.root = c.root;
-  mine.count = static_cast<int64_t>(c.count);
-  CopyText(mine.where, sizeof(mine.where), Site(rt, site, c.op));
-  int size = 1;
-  MPI_Comm_size(c.comm, &size);
-  std::vector<Fingerprint> all(size);
-  std::string e = Check(MPI_Allgather(&mine, sizeof(mine), MPI_BYTE, all.data(), sizeof(mine),
-                                      MPI_BYTE, c.comm),
-                        c.op, "MPI_Allgather (VJPMPI_CHECK)");
+inline int FreedComm(MPI_Comm, int, void* value, void*) {
+  Runtime* rt = CurrentRuntime();
+  CommEntry* e = rt ? rt->comms.Get(static_cast<int64_t>(reinterpret_cast<intptr_t>(value))) : nullptr;
+  if (e == nullptr) return MPI_SUCCESS;
+  e->comm.store(MPI_COMM_NULL, std::memory_order_release);
+  CloseChannel(*rt, *e);
+  return MPI_SUCCESS;
+}
+
+// MPI_Finalize deletes MPI_COMM_SELF's attributes first: each window then says so (a
+// rank that waits for this one to reach a collective learns that it never will), and
+// the windows are freed, collectively, in the reverse of the order they were opened in
+// (every rank opened its windows in an order that ran, so the reverse order runs too).
+inline int Finalizing(MPI_Comm, int, void*, void*) {
+  Runtime* rt = CurrentRuntime();
+  if (rt == nullptr) return MPI_SUCCESS;
+  std::vector<CommEntry*> open;
+  {
+    std::lock_guard<std::mutex> lock(rt->comms.mutex);
+    open = rt->open_channels;
+  }
+  for (CommEntry* e : open) __atomic_store_n(&e->channel->header()->finalized, 1, __ATOMIC_RELEASE);
+  for (auto it = open.rbegin(); it != open.rend(); ++it) CloseChannel(*rt, **it);
+  return MPI_SUCCESS;
+}
+
+// vjpmpi's number for `comm` (given at its first use, kept on it as an attribute, so
+// every mpi4py object of one communicator has the same number).
+inline std::string CommNumber(Runtime& rt, MPI_Comm comm, int64_t* id) {
+  std::call_once(rt.comm_keys, [&rt] {
+    MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, FreedComm, &rt.comm_key, nullptr);
+    int self_key = MPI_KEYVAL_INVALID;
+    MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, Finalizing, &self_key, nullptr);
+    MPI_Comm_set_attr(MPI_COMM_SELF, self_key, nullptr);
+  });
+  void* value = nullptr;
+  int found = 0;
+  std::string e = Check(MPI_Comm_get_attr(comm, rt.comm_key, &value, &found), "comm",
+                        "MPI_Comm_get_attr");
   if (!e.empty()) return e;
-  bool same = true;
-  for (const Fingerprint& f : all) {
-    same = same && std::strncmp(f.op, all[0].op, sizeof(f.op)) == 0 && f.kind == all[0].kind &&
-           f.red == all[0].red && f.root == all[0].root && f.count == all[0].count;
+  if (found) {
+    *id = static_cast<int64_t>(reinterpret_cast<intptr_t>(value));
+    return {};
   }
-  if (same) return {};
-  std::string msg = "vjpmpi: collective mismatch (VJPMPI_CHECK) on a communicator of " +
-                    std::to_string(size) + " ranks; each rank was about to run:";
-  for (int r = 0; r < size; ++r) {
-    msg += "\n  rank " + std::to_string(r) + ": " + all[r].where + " [" + all[r].op + ", " +
-           std::to_string(all[r].count) + " elements of " + KindName(static_cast<Kind>(all[r].kind)) +
-           "]";
+  std::lock_guard<std::mutex> lock(rt.comms.mutex);
+  CommEntry* entry = rt.comms.Add();
+  if (entry == nullptr) return "vjpmpi: too many communicators";
+  MPI_Comm_size(comm, &entry->size);
+  MPI_Comm_rank(comm, &entry->rank);
+  entry->comm.store(comm, std::memory_order_release);
+  *id = entry->id;
+  return Check(MPI_Comm_set_attr(comm, rt.comm_key, reinterpret_cast<void*>(
+                                     static_cast<intptr_t>(entry->id))),
+               "comm", "MPI_Comm_set_attr");
+}
+
+// The communicator a program names, if it is alive. A collective run on a Python
+// thread (XLA runs a program on the thread that calls it unless it has work to hand
+// to its own threads first) must run on the thread that owns the communicator: the
+// first Python thread that traced or ran a collective on it (Python sets `owner`).
+inline std::string Resolve(Runtime& rt, Call& c, int64_t id, bool collective, CommEntry** out) {
+  CommEntry* e = rt.comms.Get(id);
+  if (e == nullptr) {
+    return std::string("vjpmpi.") + c.op + ": this program names communicator #" +
+           std::to_string(id) + ", which vjpmpi has not been given in this process (a "
+           "program exported or cached by another process? trace it again here)";
   }
-  return msg;
+  MPI_Comm comm = e->comm.load(std::memory_order_acquire);
+  if (comm == MPI_COMM_NULL) {
+    return std::string("vjpmpi.") + c.op + ": the communicator this program was traced "
+           "with (vjpmpi's communicator #" + std::to_string(id) + ", of " +
+           std::to_string(e->size) + " ranks) has been freed; trace the function again with "
+           "a live communicator";
+  }
+  if (collective && OnPythonThread()) {
+    uint64_t me = ThreadId(), owner = e->owner.load(std::memory_order_acquire);
+    if (owner != 0 && owner != me) {
+      return std::string("vjpmpi.") + c.op + ": " + ThreadError(me, owner, id, e->size);
+    }
+  }
+  c.comm = comm;
+  *out = e;
+  return {};
+}
+
+// ---------------------------------------------------------- agreement --
+inline std::string OpenChannel(Runtime& rt, CommEntry& e, const char* op) {
+  auto* ch = new Channel;
+  std::string err = Check(MPI_Comm_dup(e.comm.load(), &ch->dup), op, "MPI_Comm_dup (agreement)");
+  if (err.empty()) {
+    MPI_Comm_set_errhandler(ch->dup, MPI_ERRORS_RETURN);
+    MPI_Info info;
+    MPI_Info_create(&info);
+    MPI_Info_set(info, "alloc_shm", "true");  // (MPICH: shared memory between local ranks)
+    err = Check(MPI_Win_allocate(static_cast<MPI_Aint>(Channel::kBytes), 1, info, ch->dup,
+                                 &ch->base, &ch->win),
+                op, "MPI_Win_allocate (agreement)");
+    MPI_Info_free(&info);
+  }
+  if (err.empty()) {
+    std::memset(ch->base, 0, Channel::kBytes);
+    err = Check(MPI_Win_lock_all(MPI_MODE_NOCHECK, ch->win), op, "MPI_Win_lock_all");
+  }
+  // no rank reads another's ring before it is zeroed
+  if (err.empty()) err = Check(MPI_Barrier(ch->dup), op, "MPI_Barrier (agreement)");
+  if (!err.empty()) {
+    delete ch;
+    return err;
+  }
+  e.channel = ch;
+  std::lock_guard<std::mutex> lock(rt.comms.mutex);
+  rt.open_channels.push_back(&e);
+  return {};
+}
+
+// What one read of another rank's window gives: its header's first fields and one slot.
+struct Peek {
+  int64_t finalized, invalid_k, count;
+  Entry entry;
+};
+
+// One read of rank q's window; with a deadline (ns since epoch, 0: none) it gives up
+// when the deadline passes (*late; the requests are left to the job's end).
+inline std::string Read(Channel& ch, int q, int64_t slot_k, Peek* out, const char* op,
+                        int64_t deadline = 0, bool* late = nullptr) {
+  MPI_Request r[2];
+  std::string e = Check(MPI_Rget(out, 24, MPI_BYTE, q, 0, 24, MPI_BYTE, ch.win, &r[0]), op,
+                        "MPI_Rget (agreement)");
+  if (!e.empty()) return e;
+  e = Check(MPI_Rget(&out->entry, sizeof(Entry), MPI_BYTE, q, Channel::Offset(slot_k),
+                     sizeof(Entry), MPI_BYTE, ch.win, &r[1]),
+            op, "MPI_Rget (agreement)");
+  if (!e.empty()) {
+    MPI_Wait(&r[0], MPI_STATUS_IGNORE);
+    return e;
+  }
+  for (int64_t nap = 0;;) {  // (a rank outside MPI may leave its reads pending)
+    int done = 0;
+    e = Check(MPI_Testall(2, r, &done, MPI_STATUSES_IGNORE), op, "MPI_Testall (agreement)");
+    if (!e.empty() || done) return e;
+    if (deadline != 0 && NowNs() > deadline) {
+      *late = true;
+      return {};
+    }
+    nap = nap == 0 ? 1000 : std::min<int64_t>(nap * 2, 1000000);
+    std::this_thread::sleep_for(std::chrono::nanoseconds(nap));
+  }
+}
+
+inline std::string ReadMessage(Channel& ch, int q) {
+  Header h{};
+  MPI_Request r;
+  if (MPI_Rget(&h, sizeof(h), MPI_BYTE, q, 0, sizeof(h), MPI_BYTE, ch.win, &r) != MPI_SUCCESS) {
+    return "(its message could not be read)";
+  }
+  MPI_Wait(&r, MPI_STATUS_IGNORE);
+  h.message[sizeof(h.message) - 1] = '\0';
+  return h.message;
+}
+
+enum PeerState { kWaiting, kHave, kAhead, kFinalized };
+
+// The rows of a message: each rank's collective #k (or where it is instead).
+inline std::string Rows(Runtime& rt, const std::vector<Entry>& all,
+                        const std::vector<int>& state, int me) {
+  std::string s;
+  for (size_t q = 0; q < all.size(); ++q) {
+    s += "\n  rank " + std::to_string(q) + ": ";
+    if (state[q] == kHave) {
+      std::string site(all[q].site_text, strnlen(all[q].site_text, sizeof(all[q].site_text)));
+      if (site.empty() && all[q].site) site = SiteText(rt, all[q].site);
+      s += site.empty() ? Describe(all[q]) : site;
+      if (!site.empty() && site.rfind(Describe(all[q]), 0) != 0) s += " [" + Describe(all[q]) + "]";
+      if (static_cast<int>(q) != me && !(all[q].flags & kVerifying)) {
+        s += " (already running it: it ran this program before)";
+      }
+    } else if (state[q] == kFinalized) {
+      s += "has called MPI_Finalize without running it";
+    } else if (state[q] == kAhead) {
+      s += "ran it and " + std::to_string(kRing) + " or more collectives after it, unchecked";
+    } else {
+      s += "has not reached it";
+    }
+  }
+  return s;
+}
+
+// The job ends: a rank that cannot be told is inside the collective (or gone).
+// The job ends with `msg` (on stderr) when the ranks that must hear of an error cannot.
+[[noreturn]] inline void AbortWith(const std::string& msg, const char* why) {
+  std::fprintf(stderr, "%s\nAborting the job%s.\n", msg.c_str(), why);
+  std::fflush(stderr);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  MPI_Abort(MPI_COMM_WORLD, 4);
+  std::_Exit(4);
+}
+
+// Wait for every other rank's entry for collective `mine.k`; compare; "" when they
+// agree, else the error (raised when every rank compares, else the job ends).
+inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine,
+                          const std::string& invalid_message, std::vector<Entry>& all,
+                          std::vector<int>& state) {
+  Channel& ch = *ce.channel;
+  const int n = ce.size, me = ce.rank;
+  const int64_t k = mine.k;
+  all.assign(n, Entry{});
+  state.assign(n, kWaiting);
+  all[me] = mine;
+  state[me] = kHave;
+  bool check = rt.check_enabled.load(std::memory_order_relaxed);
+  double limit = rt.timeout_seconds.load();
+  if (check && limit <= 0) limit = 60.0;
+  const int64_t start = NowNs();
+  const int64_t deadline = limit > 0 ? start + static_cast<int64_t>(limit * 1e9) : 0;
+  int waiting = n - 1;
+  int64_t nap_ns = 0;
+  Peek p{};
+  bool late = false;
+  while (waiting > 0 && !late) {
+    bool progress = false;
+    for (int q = 0; q < n && !late; ++q) {
+      if (state[q] != kWaiting) continue;
+      std::string e = Read(ch, q, k, &p, c.op, deadline, &late);
+      if (!e.empty()) return e;
+      if (late) break;
+      if (p.entry.k == k && p.entry.k_end == k) {
+        e = Read(ch, q, k, &p, c.op);  // (complete before this read began: consistent)
+        if (!e.empty()) return e;
+        all[q] = p.entry;
+        state[q] = kHave;
+      } else if (p.entry.k_end > k && p.entry.k_end == p.entry.k) {
+        state[q] = kAhead;
+      } else if (p.finalized) {
+        state[q] = kFinalized;
+      } else {
+        continue;
+      }
+      --waiting;
+      progress = true;
+    }
+    if (waiting == 0) break;
+    double waited = (NowNs() - start) * 1e-9;
+    if (late || (limit > 0 && waited >= limit)) {  // (as the watchdog says, and where each rank is)
+      int world = 0, world_size = 0;
+      MPI_Comm_rank(MPI_COMM_WORLD, &world);
+      MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+      char head_text[160];
+      std::snprintf(head_text, sizeof(head_text), "vjpmpi: timeout (%s=%g s): rank %d of %d has waited %.1f s in ",
+                    rt.timeout_seconds.load() > 0 ? "VJPMPI_TIMEOUT" : "VJPMPI_CHECK's limit",
+                    limit, world, world_size, waited);
+      std::string msg = head_text + (mine.site ? Site(rt, mine.site, c.op) : Describe(mine)) +
+                        ", on a communicator of " + std::to_string(n) + " ranks (rank " +
+                        std::to_string(me) + " there); the other ranks did not join it (it is "
+                        "their collective #" + std::to_string(k) + " there); each rank:" +
+                        Rows(rt, all, state, me);
+      const int64_t soon = NowNs() + 1000000000;  // (what arrives within a second)
+      for (int q = 0; q < n; ++q) {
+        bool gone = false;
+        if (state[q] != kWaiting) continue;
+        if (Read(ch, q, 0, &p, c.op, soon, &gone).empty() && !gone && p.count > 0 &&
+            Read(ch, q, p.count, &p, c.op, soon, &gone).empty() && !gone &&
+            p.entry.k == p.entry.k_end && p.entry.k > 0) {
+          msg += "\n  (rank " + std::to_string(q) + "'s last collective there: #" +
+                 std::to_string(p.entry.k) + ", " + Describe(p.entry) + ")";
+        }
+      }
+      AbortWith(msg, "");
+    }
+    if (!progress) {
+      nap_ns = nap_ns == 0 ? 1000 : std::min<int64_t>(nap_ns * 2, 1000000);
+      if (nap_ns < 20000) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::nanoseconds(nap_ns));
+      }
+    }
+  }
+  rt.verified.fetch_add(1, std::memory_order_relaxed);
+
+  // the verdict, the same on every rank that compares (it sees the same entries)
+  bool all_told = true;
+  for (int q = 0; q < n; ++q) {
+    if (q != me && !(state[q] == kHave && (all[q].flags & kVerifying))) all_told = false;
+  }
+  std::string head = std::string("vjpmpi.") + c.op + ": ";
+  std::string where = "on a communicator of " + std::to_string(n) + " ranks (their collective #" +
+                      std::to_string(k) + " there)";
+  std::string error;
+  for (int q = 0; q < n && error.empty(); ++q) {
+    if (state[q] == kHave && (all[q].flags & kInvalid)) {
+      std::string msg = q == me ? invalid_message : ReadMessage(ch, q);
+      error = head + "rank " + std::to_string(q) + " refused its arguments: " + msg +
+              "\n(every rank stops here: each rank was about to run" + Rows(rt, all, state, me) + ")";
+    }
+  }
+  std::vector<bool> have(n);
+  bool differ = false, histories = false, positions = false, gone = false;
+  for (int q = 0; q < n; ++q) {
+    have[q] = state[q] == kHave;
+    if (state[q] == kFinalized) gone = true;
+    if (!have[q]) continue;
+    if (!SameCollective(all[q], mine)) differ = true;
+    else if (all[q].history != mine.history) histories = true;
+    else if (check && all[q].position != mine.position) positions = true;
+  }
+  if (error.empty() && differ) {
+    std::string what = Differences(all, have);
+    bool several = what.find(" and ") != std::string::npos;
+    error = head + (check ? "collective mismatch (VJPMPI_CHECK) " : "the ranks disagree ") +
+            where + ": " + what + (several ? " differ" : " differs") +
+            "; each rank was about to run:" + Rows(rt, all, state, me) +
+            "\nEvery rank must run the same collectives, with the same dtype, shape, op and "
+            "root, in the same order.";
+  } else if (error.empty() && histories) {
+    error = head + "the ranks agree on this collective but ran different collectives on this "
+            "communicator before it (runs of programs they had each run before, which are "
+            "not compared: run with VJPMPI_CHECK=1 to find the first difference); " + where +
+            ", each rank is about to run:" + Rows(rt, all, state, me);
+  } else if (error.empty() && positions) {
+    error = head + "collective mismatch (VJPMPI_CHECK): the ranks run the same collective " +
+            where + " from different points of their programs (a rank-dependent trip count "
+            "or branch leaves some ranks with more collectives than others):";
+    for (int q = 0; q < n; ++q) {
+      error += "\n  rank " + std::to_string(q) + ": collective " +
+               std::to_string(all[q].position) + " of this run of its program, " +
+               (all[q].site ? Site(rt, all[q].site, "") : Describe(all[q]));
+    }
+  } else if (error.empty() && gone) {
+    error = head + "not every rank runs this collective " + where + "; each rank:" +
+            Rows(rt, all, state, me);
+  }
+  if (error.empty()) return {};
+  if (!all_told) {
+    AbortWith(error, ": some ranks cannot be told (they are inside the collective, having run "
+                     "their program before, or gone)");
+  }
+  // every rank raises at this collective: they start again from one history
+  ce.history = Mix(0x76a7ULL, static_cast<uint64_t>(k));
+  return error;
+}
+
+// A communicator's window, opened at its first collective (collectively: every rank of
+// it runs that collective). The watchdog watches this, as it watches a collective.
+inline std::string EnsureChannel(Runtime& rt, CommEntry& ce, const char* op) {
+  if (ce.size <= 1 || ce.channel != nullptr) return {};
+  return OpenChannel(rt, ce, op);
+}
+
+// Before a collective's data moves: number and publish it; when this rank compares
+// this run of its program (a program new to it here, or VJPMPI_CHECK), compare it.
+inline std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int64_t run,
+                         const std::string& invalid_message) {
+  if (ce.size <= 1) {
+    return invalid_message.empty() ? std::string()
+                                   : std::string("vjpmpi.") + c.op + ": " + invalid_message;
+  }
+  bool first = !ce.ran || run != ce.run;
+  if (first) {
+    ce.ran = true;
+    ce.run = run;
+    ce.position = 0;
+    bool known = sig != 0 && (sig == ce.last_verified || ce.verified.count(sig) != 0);
+    ce.mode = rt.check_enabled.load(std::memory_order_relaxed) ? 2 : known ? 0 : 1;
+    if (known) ce.last_verified = sig;
+  }
+  bool verifying = ce.mode != 0 || !invalid_message.empty();
+  // Written in place (a few stores): what the other ranks read when they compare.
+  Channel& ch = *ce.channel;
+  const int64_t k = ++ce.count;
+  Entry* s = ch.slot(k);
+  __atomic_store_n(&s->k_end, 0, __ATOMIC_RELAXED);
+  std::atomic_thread_fence(std::memory_order_release);
+  __atomic_store_n(&s->k, k, __ATOMIC_RELAXED);
+  Fingerprint(c, *s);
+  ce.history = Mix(ce.history, FingerprintHash(*s));
+  s->history = ce.history;
+  s->sig = sig;
+  s->site = c.site;
+  s->site_text[0] = '\0';
+  if (c.site) std::snprintf(s->site_text, sizeof(s->site_text), "%s", SiteText(rt, c.site).c_str());
+  s->position = ++ce.position;
+  if (!invalid_message.empty()) {
+    s->flags |= kInvalid;
+    Header* h = ch.header();
+    std::snprintf(h->message, sizeof(h->message), "%s", invalid_message.c_str());
+    __atomic_store_n(&h->invalid_k, k, __ATOMIC_RELEASE);
+  }
+  if (verifying) s->flags |= kVerifying;
+  __atomic_store_n(&s->k_end, k, __ATOMIC_RELEASE);
+  __atomic_store_n(&ch.header()->count, k, __ATOMIC_RELEASE);
+  if (!verifying) return {};
+  const Entry mine = *s;
+  std::vector<Entry> all;
+  std::vector<int> state;
+  std::string e = Verify(rt, ce, c, mine, invalid_message, all, state);
+  if (!e.empty()) return e;
+  if (ce.mode == 1) {  // the first collective of a new program's run: aligned?
+    bool aligned = mine.position == 1 && sig != 0;
+    for (int q = 0; q < ce.size && aligned; ++q) {
+      aligned = state[q] == kHave && all[q].sig == sig && all[q].position == 1;
+    }
+    if (aligned) {
+      ce.verified.insert(sig);
+      ce.last_verified = sig;
+      ce.mode = 0;
+    } else {
+      ce.mode = 2;  // the ranks' programs differ: compare each collective of this run
+    }
+  }
+  return {};
 }
 
 // ------------------------------------------------------------ watchdog --

@@ -1,0 +1,297 @@
+"""No silent wrong answers (issue 27): what ranks disagree on ends in an error.
+
+- The ranks of a communicator compare each collective of a program new to them (op,
+  dtype, per-rank shape, root, reduction) before any data moves: a disagreement raises on
+  every rank, naming what differs and each rank's collective, and the ranks stay in step.
+  Programs that differ between ranks but agree on their collectives (other local shapes,
+  other compute, a new program on one rank only) run.
+- Lifetimes: a program names its communicator by a number MPI cannot hand out again, and
+  a receive status by a slot that lives as long as its `MPI.Status`.
+- Threads: a communicator's collectives belong to the first thread that uses it.
+
+It runs at 2-4 ranks (tests/test_multirank.py ONLY_AT: one rank cannot disagree with
+itself). Each test works on a fresh duplicate of COMM_WORLD, so every program in it is new on
+every rank (the check compares programs that a rank has not yet seen verified). The
+job that ends the process when a rank that cannot be told is already inside the
+collective (it ran the program before) is in tests/test_reliability.py.
+"""
+
+import re
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import vjpmpi
+from vjpmpi import _kernels
+
+from helpers import WORLD, to_device
+
+rank, size = WORLD.rank, WORLD.size
+last = size - 1
+CHECK = _kernels.CHECK  # (the 3-rank job runs with VJPMPI_CHECK=1)
+
+
+@pytest.fixture
+def comm():
+    c = WORLD.Dup()
+    yield c
+    c.Free()
+
+
+def raises_everywhere(call, *patterns):
+    """`call()` raises on this rank (and so, the test running on every rank, on each),
+    with a message matching every pattern; returns the message."""
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(call())
+    text = str(info.value)
+    for p in patterns:
+        assert re.search(p, text), f"{p!r} not in:\n{text}"
+    return text
+
+
+def in_step(comm):
+    """After an error the ranks go on together: the next collective pairs correctly."""
+    y = vjpmpi.allreduce(to_device(np.full(2, rank + 1.0)), MPI.SUM, comm=comm)
+    np.testing.assert_array_equal(np.asarray(y), np.full(2, size * (size + 1) / 2))
+
+
+MISMATCH = r"(the ranks disagree|collective mismatch \(VJPMPI_CHECK\))"
+
+
+def row(r, text):
+    """The row of rank `r` in a mismatch message (a call site may follow the text)."""
+    return rf"\n  rank {r}: " + re.escape(text)
+
+
+def _ones(shape, dtype=jnp.float32):
+    return to_device(np.ones(shape, dtype))
+
+
+# (name, what differs, this rank's call, the row each rank's collective gives)
+CASES = [
+    ("shape", "shape differs",
+     lambda c: vjpmpi.allreduce(_ones((2, 3) if rank == 0 else (3, 2)), MPI.SUM, comm=c),
+     lambda r: f"allreduce(SUM) on float32[{'2, 3' if r == 0 else '3, 2'}]"),
+    ("count", "shape differs",
+     lambda c: vjpmpi.allgather(_ones(4 + (rank == last)), comm=c),
+     lambda r: f"allgather() on float32[{4 + (r == last)}]"),
+    ("dtype", "dtype differs",
+     lambda c: vjpmpi.allreduce(_ones(4, np.int32 if rank == 0 else np.float32), MPI.SUM, comm=c),
+     lambda r: f"allreduce(SUM) on {'int32' if r == 0 else 'float32'}[4]"),
+    ("op", "'op' differs",
+     lambda c: vjpmpi.allreduce(_ones(3), MPI.MAX if rank == last else MPI.SUM, comm=c),
+     lambda r: f"allreduce({'MAX' if r == last else 'SUM'}) on float32[3]"),
+    ("own root", "'root' differs",  # every rank names itself root
+     lambda c: vjpmpi.bcast(_ones(5) * rank, rank, comm=c),
+     lambda r: f"bcast(root={r}) on float32[5]"),
+    ("last root", "'root' differs",  # only the last rank names another root
+     lambda c: vjpmpi.reduce(_ones(6), MPI.SUM, 1 if rank == last else 0, comm=c),
+     lambda r: f"reduce(SUM, root={1 if r == last else 0}) on float32[6]"),
+    ("collective", "the collective differs",
+     lambda c: (vjpmpi.bcast(_ones(7), 0, comm=c) if rank == 0
+                else vjpmpi.allreduce(_ones(7), MPI.SUM, comm=c)),
+     lambda r: "bcast(root=0) on float32[7]" if r == 0 else "allreduce(SUM) on float32[7]"),
+    # vmap: rank 0 batches (3 members), the others run the same function on a constant
+    ("batching", "shape differs",
+     lambda c: (jax.vmap(lambda v: vjpmpi.allreduce(v, MPI.SUM, comm=c))(_ones((3, 4)))
+                if rank == 0 else vjpmpi.allreduce(_ones(4), MPI.SUM, comm=c)),
+     lambda r: f"allreduce(SUM) on float32[{'3, 4' if r == 0 else '4'}]"),
+]
+
+
+@pytest.mark.parametrize("name, what, call, describe", CASES, ids=[c[0] for c in CASES])
+def test_disagreement_raises_on_every_rank(comm, name, what, call, describe):
+    before = _kernels.cpu.verified_count()
+    text = raises_everywhere(lambda: call(comm), MISMATCH, re.escape(what),
+                             rf"on a communicator of {size} ranks")
+    for r in range(size):  # every rank's message shows every rank's collective
+        assert re.search(row(r, describe(r)), text), f"rank {r}'s row missing:\n{text}"
+    assert _kernels.cpu.verified_count() == before + 1
+    in_step(comm)
+
+
+def test_disagreement_under_jit_and_grad(comm):
+    """Rank 0 differentiates (bcast, then its transpose reduce) while the other ranks run
+    the forward twice: the second collective disagrees (reduce against bcast)."""
+
+    def loss(v):
+        return jnp.sum(vjpmpi.bcast(v, 0, comm=comm) ** 2)
+
+    x = to_device(np.arange(4.0, dtype=np.float32))
+    if rank == 0:
+        raises_everywhere(lambda: jax.jit(jax.grad(loss))(x), MISMATCH,
+                          "the collective differs",
+                          row(0, "reduce(SUM, root=0) on float32[4]"),
+                          row(1, "bcast(root=0) on float32[4]"))
+    else:
+        jax.block_until_ready(jax.jit(loss)(x))  # pairs with rank 0's forward bcast
+        raises_everywhere(lambda: jax.jit(loss)(x), MISMATCH, "the collective differs")
+    in_step(comm)
+
+
+def test_rank_dependent_trip_count(comm):
+    """fori_loop(0, 2 + (rank == 0)): rank 0 runs a third allreduce where the others
+    have finished and run their next collective; that one disagrees and both raise."""
+    f = jax.jit(lambda v: jax.lax.fori_loop(
+        0, 2 + (rank == 0), lambda i, c: vjpmpi.allreduce(c, MPI.SUM, comm=comm) / size, v))
+    x = to_device(np.ones(7, np.float32))
+    if rank == 0:
+        raises_everywhere(lambda: f(x), MISMATCH, "shape differ",
+                          row(0, "allreduce(SUM) on float32[7]"),
+                          row(1, "allreduce(SUM) on float64[2]"))
+    else:
+        np.testing.assert_array_equal(np.asarray(f(x)), np.ones(7))
+        raises_everywhere(lambda: in_step(comm), MISMATCH, "shape differ")
+    in_step(comm)
+
+
+def test_programs_that_differ_but_agree_on_their_collectives_run(comm):
+    """What each rank computes around the collectives may differ: local batch sizes, a
+    program new to one rank only (its next batch has a new shape, the others' not),
+    programs of other structure with the same collectives."""
+    def local_grad(w, batch):
+        return jax.grad(lambda w: jnp.mean((batch @ w) ** 2))(w)
+
+    grad = jax.jit(lambda w, b: vjpmpi.allreduce(local_grad(w, b), MPI.SUM, comm=comm))
+    # the same collective inside a one-trip loop: another program signature
+    looped = jax.jit(lambda w, b: jax.lax.fori_loop(
+        0, 1, lambda i, g: vjpmpi.allreduce(g, MPI.SUM, comm=comm), local_grad(w, b)))
+    w0 = np.linspace(0.0, 1.0, 4)
+
+    def batch_of(r, i):  # each rank's own batch size
+        return np.arange((8 + r) * 4.0).reshape(8 + r, 4) / 100 + r + i
+
+    for i in range(3):
+        # the third time, the program is new to every rank but rank 0, which runs its
+        # verified one without comparing: the others compare with what it runs
+        step = looped if i == 2 and rank != 0 else grad
+        before = _kernels.cpu.verified_count()
+        got = step(to_device(w0), to_device(batch_of(rank, i)))
+        want = sum(2 * b.T @ (b @ w0) / len(b) for b in (batch_of(r, i) for r in range(size)))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12)
+        if i == 2 and not CHECK:
+            assert _kernels.cpu.verified_count() - before == (rank != 0)
+    # one program on rank 0, two on the others (bcast, then allreduce)
+    x = to_device(np.full(3, rank + 1.0))
+    if rank == 0:
+        split = lambda: jax.jit(lambda v: vjpmpi.allreduce(  # noqa: E731
+            vjpmpi.bcast(v, 0, comm=comm), MPI.SUM, comm=comm))(x)
+    else:
+        split = lambda: vjpmpi.allreduce(vjpmpi.bcast(x, 0, comm=comm), MPI.SUM, comm=comm)  # noqa: E731
+    if CHECK and size > 1:  # VJPMPI_CHECK also compares the position within each program
+        if rank == 0:
+            raises_everywhere(split, "from different points of their programs")
+        else:
+            jax.block_until_ready(vjpmpi.bcast(x, 0, comm=comm))
+            raises_everywhere(lambda: vjpmpi.allreduce(x, MPI.SUM, comm=comm),
+                              "from different points of their programs")
+    else:
+        np.testing.assert_array_equal(np.asarray(split()), np.full(3, size))
+    in_step(comm)
+
+
+def test_each_new_program_is_compared_once(comm):
+    """The comparison runs at the first collective of a program's first run on each rank
+    (then once every rank starts it at the same collective, it is verified) and costs
+    nothing after that; VJPMPI_CHECK compares every collective of every run."""
+    f = jax.jit(lambda v: vjpmpi.allreduce(vjpmpi.allreduce(v, MPI.SUM, comm=comm), MPI.MAX,
+                                           comm=comm))
+    x = to_device(np.arange(5.0))
+    before = _kernels.cpu.verified_count()
+    for _ in range(4):
+        np.testing.assert_array_equal(np.asarray(f(x)), size * np.arange(5.0))
+    compared = _kernels.cpu.verified_count() - before
+    assert compared == (0 if size == 1 else 8 if CHECK else 1)
+
+
+# -------------------------------------------------------------- lifetimes --
+def test_status_of_a_dead_object_is_not_written():
+    """A program that creates its MPI.Status while tracing keeps no address: the object
+    is gone when it runs (it used to crash); a live one is filled on every call."""
+    peer = rank ^ 1
+    if peer >= size:
+        return
+
+    def exchange(v):
+        status = MPI.Status()  # dies when tracing ends
+        return vjpmpi.sendrecv(v, v, source=peer, dest=peer, sendtag=10 + rank, status=status)
+
+    slots = _kernels.cpu._status_slots()
+    f = jax.jit(exchange)
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(f(to_device(np.full(2, rank + 0.5)))),
+                                      np.full(2, peer + 0.5))
+        assert _kernels.cpu._status_slots() == slots  # (released when tracing ended)
+    kept = MPI.Status()
+    g = jax.jit(lambda v: vjpmpi.sendrecv(v, v, source=peer, dest=peer, sendtag=20 + rank,
+                                          status=kept))
+    g(to_device(np.ones(2))).block_until_ready()
+    assert (kept.Get_source(), kept.Get_tag()) == (peer, 20 + peer)
+    assert _kernels.cpu._status_slots() == slots + 1
+    del kept
+    assert _kernels.cpu._status_slots() == slots  # its slot is gone: nothing is written
+    g(to_device(np.ones(2))).block_until_ready()
+
+
+def test_program_of_a_freed_communicator_fails_on_every_rank():
+    """MPICH hands a freed communicator's handle to the next one: a program traced with
+    the freed one must not run on the new one."""
+    old = WORLD.Dup()
+    handle = old.handle
+    f = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM, comm=old))
+    x = to_device(np.ones(3))
+    np.testing.assert_array_equal(np.asarray(f(x)), np.full(3, size))
+    old.Free()
+    new = WORLD.Split(rank % 2, rank)  # a different group, maybe the same handle
+    try:
+        raises_everywhere(lambda: f(x), r"vjpmpi\.allreduce: the communicator this program was "
+                                        r"traced with .* has been freed")
+        g = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM, comm=new))
+        np.testing.assert_array_equal(np.asarray(g(x)), np.full(3, new.Get_size()))
+        print(f"freed handle {handle:#x}, new communicator's {new.handle:#x}")
+    finally:
+        new.Free()
+
+
+# ---------------------------------------------------------------- threads --
+def in_thread(fn):
+    """fn() on a new thread; what it returned or raised."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except Exception as e:  # noqa: BLE001 (handed back to the test)
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out
+
+
+def test_communicator_belongs_to_its_first_thread(comm):
+    """Another thread's collective on it raises (traced, eager, or a compiled program it
+    runs on that thread); each thread with a communicator of its own runs."""
+    x = to_device(np.full(3, rank + 1.0))
+    f = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM, comm=comm))
+    np.testing.assert_array_equal(np.asarray(f(x)), np.full(3, size * (size + 1) / 2))
+    owns = r"thread \d+ runs a collective on a communicator that thread \d+ owns"
+    eager = in_thread(lambda: vjpmpi.allreduce(x, MPI.SUM, comm=comm))
+    assert re.search(owns, str(eager.get("error"))), eager
+    traced = in_thread(lambda: jax.jit(lambda v: vjpmpi.bcast(v, 0, comm=comm))(x))
+    assert re.search(owns, str(traced.get("error"))), traced
+    compiled = in_thread(lambda: jax.block_until_ready(f(x)))  # traced by this thread
+    assert re.search(owns, str(compiled.get("error"))), compiled
+    # a communicator per thread: both threads' results are right on every rank
+    mine = WORLD.Dup()
+    try:
+        other = in_thread(lambda: np.asarray(vjpmpi.allreduce(x * 1000, MPI.SUM, comm=mine)))
+        np.testing.assert_array_equal(other["value"], np.full(3, 1000 * size * (size + 1) / 2))
+    finally:
+        mine.Free()
+    in_step(comm)

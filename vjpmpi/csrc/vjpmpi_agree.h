@@ -1,0 +1,256 @@
+// The ranks of a communicator agree on each collective before any data moves.
+//
+// Communicators: a program names a communicator by vjpmpi's own number for it
+// (CommEntry, never reused), not by MPI's handle, which MPI hands to the next
+// communicator once this one is freed; a freed communicator's programs fail.
+// Its collectives belong to the first thread that runs one (MPI leaves collectives
+// issued from several threads on one communicator in an undefined order).
+//
+// Agreement: on each communicator, every rank publishes each collective it is about to
+// run (op, dtype, per-rank block shape, root, reduction, and a hash of everything it ran
+// before) in a ring of entries in an MPI window of its own (MPI_Win_allocate on a
+// private duplicate, made at the communicator's first collective). A rank that runs a
+// program new to it (its signature on this communicator not yet verified: Python's
+// lowering hashes the program's collectives on it) reads the other ranks' entries for
+// the same collective, one-sidedly, before moving any data: ranks that disagree raise,
+// or, when a rank that cannot be told is already inside the collective, the job ends
+// with the message. Once every rank is seen starting the same program signature at the
+// same collective, the program is verified on this communicator and later runs only
+// publish (a few stores). VJPMPI_CHECK=1 verifies every collective of every run, and
+// also the position within the program (a rank-dependent trip count or branch).
+#pragma once
+
+#include <Python.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "vjpmpi_mpi.h"
+
+namespace vjpmpi {
+
+inline constexpr int kRing = 256;  // entries each rank keeps per communicator
+
+enum EntryFlags : int32_t {
+  kVerifying = 1,  // this rank compares before moving data (it can be told of a mismatch)
+  kInvalid = 2,    // this rank's arguments were invalid: its message is in its Header
+  kReverse = 4,    // a scan from the last rank down
+  kUsesRed = 8,    // the op takes a reduction
+  kUsesRoot = 16,  // the op takes a root
+};
+
+// One collective as a rank published it (slot k % kRing of its ring).
+struct Entry {
+  int64_t k;         // the collective's number on this communicator, 1, 2, ... (0: empty)
+  uint64_t sig;      // the signature of its program on this communicator (0: unknown)
+  uint64_t history;  // hash of this rank's collectives 1..k here
+  int64_t site;      // call-site hash (VJPMPI_CHECK / VJPMPI_TIMEOUT), or 0
+  int64_t position;  // its number within this run of the program (1: the first)
+  char op[16];
+  int32_t kind, red, root, ndim, flags, pad;
+  int64_t dims[kMaxDims];  // the per-rank block; ndim > kMaxDims: the last hashes the rest
+  char site_text[176];     // the call site's text (VJPMPI_CHECK / VJPMPI_TIMEOUT), or ""
+  int64_t k_end;           // == k once the entry is complete (written last)
+};
+
+// What a rank publishes about itself on the communicator (the window's first bytes).
+struct Header {
+  int64_t finalized;  // 1 once MPI_Finalize started on this rank
+  int64_t invalid_k;  // the collective whose arguments this rank found invalid
+  int64_t count;      // its latest published collective
+  char message[1024 - 24];  // why they were invalid
+};
+
+struct Channel {
+  MPI_Comm dup = MPI_COMM_NULL;  // the window's communicator (never used for data)
+  MPI_Win win = MPI_WIN_NULL;
+  char* base = nullptr;  // this rank's window memory
+  Header* header() { return reinterpret_cast<Header*>(base); }
+  Entry* slot(int64_t k) {
+    return reinterpret_cast<Entry*>(base + sizeof(Header)) + (k % kRing);
+  }
+  static MPI_Aint Offset(int64_t k) {
+    return static_cast<MPI_Aint>(sizeof(Header) + (k % kRing) * sizeof(Entry));
+  }
+  static constexpr size_t kBytes = sizeof(Header) + kRing * sizeof(Entry);
+};
+
+// A communicator as programs name it. Fields past `busy` are used under it.
+struct CommEntry {
+  std::atomic<MPI_Comm> comm{MPI_COMM_NULL};  // MPI_COMM_NULL once freed
+  int64_t id = 0;
+  int size = 0, rank = 0;
+  std::atomic<uint64_t> owner{0};  // the Python thread that owns its collectives (0: none yet)
+  std::atomic<bool> busy{false};   // set through each collective on it
+  int64_t count = 0;               // collectives run on it by this process
+  uint64_t history = 0;
+  int64_t run = 0;  // the XLA run id of the last collective's execution
+  bool ran = false;
+  int64_t position = 0;  // collectives of that execution so far
+  int mode = 0;          // this execution: 0 publish only, 1 verify the first, 2 verify all
+  uint64_t last_verified = 0;
+  std::unordered_set<uint64_t> verified;  // program signatures verified on it
+  Channel* channel = nullptr;
+};
+
+// Communicator numbers -> entries: two levels, lock-free to read, never moved.
+struct CommTable {
+  static constexpr int64_t kChunk = 1024, kChunks = 4096;
+  std::atomic<CommEntry*> chunks[kChunks] = {};
+  std::mutex mutex;  // adding
+  int64_t next = 1;
+
+  CommEntry* Get(int64_t id) {
+    if (id <= 0 || id >= kChunk * kChunks) return nullptr;
+    CommEntry* chunk = chunks[id / kChunk].load(std::memory_order_acquire);
+    if (chunk == nullptr) return nullptr;
+    CommEntry* e = &chunk[id % kChunk];
+    return e->id == id ? e : nullptr;
+  }
+
+  // (caller holds `mutex`)
+  CommEntry* Add() {
+    int64_t id = next;
+    if (id >= kChunk * kChunks) return nullptr;
+    CommEntry* chunk = chunks[id / kChunk].load(std::memory_order_acquire);
+    if (chunk == nullptr) {
+      chunk = new CommEntry[kChunk];
+      chunks[id / kChunk].store(chunk, std::memory_order_release);
+    }
+    ++next;
+    CommEntry* e = &chunk[id % kChunk];
+    e->id = id;
+    return e;
+  }
+};
+
+inline uint64_t ThreadId() {  // (what Python's threading.get_native_id() gives)
+  static thread_local uint64_t tid = static_cast<uint64_t>(syscall(SYS_gettid));
+  return tid;
+}
+
+// Whether this thread is a Python thread (XLA's own worker threads are not).
+inline bool OnPythonThread() { return PyGILState_GetThisThreadState() != nullptr; }
+
+inline std::string BusyError(int64_t id, int size) {
+  return "another thread of this process is inside a collective on the same communicator "
+         "(vjpmpi's communicator #" + std::to_string(id) + ", of " + std::to_string(size) +
+         " ranks). MPI leaves the order of collectives issued from several threads on one "
+         "communicator undefined: they could pair differently on each rank. Give each thread "
+         "a communicator of its own (comm.Dup(), made in the same order on every rank).";
+}
+
+inline std::string ThreadError(uint64_t me, uint64_t owner, int64_t id, int size) {
+  return "thread " + std::to_string(me) + " runs a collective on a communicator that thread " +
+         std::to_string(owner) + " owns (vjpmpi's communicator #" + std::to_string(id) +
+         ", of " + std::to_string(size) + " ranks; threads as threading.get_native_id() gives "
+         "them; a communicator belongs to the first thread that traces or runs a collective "
+         "on it). MPI leaves the order of collectives issued from several threads on one "
+         "communicator undefined: they could pair differently on each rank. Give each thread "
+         "a communicator of its own (comm.Dup(), made in the same order on every rank).";
+}
+
+// FNV-1a, 64 bits: call sites and messages are named by the hash of their text, the
+// same in every process (programs hold no per-process numbers for them).
+inline int64_t TextHash(const std::string& s) {
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ULL;
+  h &= 0x7fffffffffffffffULL;
+  return static_cast<int64_t>(h == 0 ? 1 : h);
+}
+
+inline uint64_t Mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  return h * 1099511628211ULL;
+}
+
+// The fingerprint fields of `c` in `e` (the rest is filled by the caller).
+inline void Fingerprint(const Call& c, Entry& e) {
+  std::strncpy(e.op, c.op, sizeof(e.op) - 1);  // (zero-filled)
+  e.op[sizeof(e.op) - 1] = '\0';
+  e.kind = static_cast<int32_t>(c.kind);
+  e.red = (c.uses & kUsesRed) ? static_cast<int32_t>(c.red) : 0;
+  e.root = (c.uses & kUsesRoot) ? c.root : 0;
+  e.flags = c.uses | (c.reverse ? kReverse : 0);
+  PackDims(c.dims, c.ndim, e.dims, &e.ndim);
+}
+
+inline uint64_t FingerprintHash(const Entry& e) {
+  uint64_t h = 0;
+  for (char ch : e.op) h = Mix(h, static_cast<unsigned char>(ch));
+  h = Mix(h, e.kind);
+  h = Mix(h, e.red);
+  h = Mix(h, static_cast<uint32_t>(e.root));
+  h = Mix(h, e.flags & (kReverse | kUsesRed | kUsesRoot));
+  h = Mix(h, e.ndim);
+  for (int i = 0; i < kMaxDims; ++i) h = Mix(h, static_cast<uint64_t>(e.dims[i]));
+  return h;
+}
+
+inline bool SameCollective(const Entry& a, const Entry& b) {
+  return std::strncmp(a.op, b.op, sizeof(a.op)) == 0 && a.kind == b.kind && a.red == b.red &&
+         a.root == b.root && (a.flags & kReverse) == (b.flags & kReverse) && a.ndim == b.ndim &&
+         std::memcmp(a.dims, b.dims, sizeof(a.dims)) == 0;
+}
+
+// "allreduce(SUM) on float32[2, 3]", from a published entry.
+inline std::string Describe(const Entry& e) {
+  std::string s = std::string(e.op, strnlen(e.op, sizeof(e.op))) + "(";
+  std::vector<std::string> parts;
+  if (e.flags & kUsesRed) {
+    auto names = ReductionNames();
+    parts.push_back(e.red >= 0 && e.red < static_cast<int>(names.size()) ? names[e.red] : "?");
+  }
+  if (e.flags & kUsesRoot) parts.push_back("root=" + std::to_string(e.root));
+  for (size_t i = 0; i < parts.size(); ++i) s += (i ? ", " : "") + parts[i];
+  s += ")";
+  if (e.flags & kReverse) s += " from the last rank down";
+  s += std::string(" on ") + KindName(static_cast<Kind>(e.kind)) + "[";
+  for (int i = 0; i < e.ndim && i < kMaxDims; ++i) {
+    s += (i ? ", " : "") + std::to_string(e.dims[i]);
+  }
+  if (e.ndim > kMaxDims) s += ", ...";
+  return s + "]";
+}
+
+// Which arguments two collectives differ in, in the public API's words.
+inline std::string Differences(const std::vector<Entry>& all, const std::vector<bool>& have) {
+  std::vector<std::string> what;
+  auto any = [&](auto differ) {
+    for (size_t q = 0; q < all.size(); ++q) {
+      for (size_t r = 0; r < all.size(); ++r) {
+        if (have[q] && have[r] && differ(all[q], all[r])) return true;
+      }
+    }
+    return false;
+  };
+  if (any([](const Entry& a, const Entry& b) {
+        return std::strncmp(a.op, b.op, sizeof(a.op)) != 0 || (a.flags & kReverse) != (b.flags & kReverse);
+      })) {
+    what.push_back("the collective");
+  }
+  if (any([](const Entry& a, const Entry& b) { return a.kind != b.kind; })) what.push_back("dtype");
+  if (any([](const Entry& a, const Entry& b) {
+        return a.ndim != b.ndim || std::memcmp(a.dims, b.dims, sizeof(a.dims)) != 0;
+      })) {
+    what.push_back("shape");
+  }
+  if (any([](const Entry& a, const Entry& b) { return a.red != b.red; })) what.push_back("'op'");
+  if (any([](const Entry& a, const Entry& b) { return a.root != b.root; })) what.push_back("'root'");
+  std::string s;
+  for (size_t i = 0; i < what.size(); ++i) {
+    s += (i == 0 ? "" : i + 1 == what.size() ? " and " : ", ") + what[i];
+  }
+  return s;
+}
+
+}  // namespace vjpmpi
