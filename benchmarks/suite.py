@@ -233,6 +233,8 @@ def main_part(quick):
                                 "rss_growth_mib": rss_mib() - rss0,
                                 "per_call": (time.perf_counter() - t0) / calls_m}
 
+    out["agreement"] = agreement_cost(quick)
+
     # other small ops
     nxt, prv = (RANK + 1) % SIZE, (RANK - 1) % SIZE
     out["small_ops"] = {
@@ -335,6 +337,75 @@ def main_part(quick):
     out["grad_sync"] = interleaved(
         {k: (lambda f=f, a=a: jax_block(f(a))) for k, (f, a) in progs.items()}, reps_sync)
     return out
+
+
+def agreement_cost(quick):
+    """What the ranks' agreement on each collective costs (default settings): on a jitted
+    call and per collective in a loop (with it and, through a benchmark-only switch,
+    without it, in turn), on the first run of a program new to every rank (its
+    comparison: first run minus the next one, the verified programs forgotten before
+    each), the signature hashed when a program is lowered, and the window a
+    communicator opens at its first collective."""
+    import vjpmpi
+    import jax
+    import jax.numpy as jnp
+    from vjpmpi import _collective, _kernels, _mpi
+
+    reps, n = (5, 200) if quick else (21, 2000)
+    x = jnp.ones(1, jnp.float32)
+    one = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
+    loop = fori(lambda c: vjpmpi.allreduce(c, MPI.SUM) * (1.0 / SIZE), n)
+    jax_block(one(x))
+    jax_block(loop(x))
+
+    def switched(on, fn):
+        def run():
+            _kernels.cpu._set_agreement(on)
+            try:
+                fn()
+            finally:
+                _kernels.cpu._set_agreement(True)
+        return run
+
+    t = interleaved({
+        "call_on": switched(True, repeat(lambda: jax_block(one(x)), n)),
+        "call_off": switched(False, repeat(lambda: jax_block(one(x)), n)),
+        "fori_on": switched(True, lambda: jax_block(loop(x))),
+        "fori_off": switched(False, lambda: jax_block(loop(x))),
+    }, reps)
+    number = _mpi.as_comm(None, "benchmark").id
+    first, again = [], []
+    for _ in range(reps):
+        _kernels.cpu._forget_verified(number)  # (every rank: the next run is a first one)
+        for times in (first, again):
+            COMM.Barrier()
+            t0 = time.perf_counter()
+            jax_block(one(x))
+            times.append(time.perf_counter() - t0)
+    jaxpr = jax.make_jaxpr(lambda v: vjpmpi.allreduce(v, MPI.SUM))(x).jaxpr
+    k = 200 if quick else 2000
+    t0 = time.perf_counter()
+    for _ in range(k):
+        _collective._structures.clear()
+        _collective.signatures(jaxpr)
+    signature = (time.perf_counter() - t0) / k
+    opened = []
+    for _ in range(3 if quick else 7):
+        comm = COMM.Dup()
+        f = jax.jit(lambda v, c=comm: vjpmpi.allreduce(v, MPI.SUM, comm=c)).lower(x).compile()
+        times = []
+        for _ in range(2):
+            COMM.Barrier()
+            t0 = time.perf_counter()
+            jax_block(f(x))
+            times.append(time.perf_counter() - t0)
+        opened.append(times[0] - times[1])
+        del f
+        comm.Free()
+    return {"call_on": t["call_on"] / n, "call_off": t["call_off"] / n,
+            "fori_on": t["fori_on"] / n, "fori_off": t["fori_off"] / n,
+            "first_run": float(np.median(first)), "next_run": float(np.median(again)),
+            "signature": signature, "window": float(np.median(opened))}
 
 
 def backward_cost(f, x, fwd_op, adj_ops, quick):
@@ -504,7 +575,8 @@ def rss_now_mib():
 
 # --------------------------------------------------------------------- check --
 def check_part(quick):
-    """The figures `main` takes for the mismatch check's cost, run with VJPMPI_CHECK=1."""
+    """The figures `main` takes for VJPMPI_CHECK's cost (it compares every collective of
+    every run), run with VJPMPI_CHECK=1."""
     import vjpmpi
     import jax
     import jax.numpy as jnp

@@ -255,6 +255,47 @@ def test_check_compares_point_to_point_dtypes(tmp_path):
     assert len(report(run, "after: [2. 2.]")) == 2, run.describe()
 
 
+# Checks only one rank can make end the job with their message when the exchange runs,
+# instead of raising on that rank while its peers wait for its messages for ever.
+ONE_SIDED = {
+    # rank 1's block (1 cell) is narrower than the halo (2 cells): only it can tell
+    "halo": ("""
+        import vjpmpi.nn as vnn
+        cart = MPI.COMM_WORLD.Create_cart([2], periods=[True])
+        u = jnp.arange(4.0 if rank == 0 else 1.0)
+        say(f"rank {rank} traced:", jax.jit(vnn.HaloExchange(cart, width=2)).lower(u) is not None)
+        y = vnn.HaloExchange(cart, width=2)(u).block_until_ready()
+        say("NO ERROR", y)
+    """, r"vjpmpi\.nn\.HaloExchange: on rank 1, the block shape \(1,\) is smaller than the "
+         r"halo width 2 \(the neighbours that wait for its halos cannot check it\)"),
+    # rank 1 receives from ANY_SOURCE: its derivative names no rank to send back to
+    "any_source": ("""
+        def f(x):
+            if rank == 0:
+                vjpmpi.send(x, 1)
+                return jnp.sum(x) * 0
+            return jnp.sum(vjpmpi.recv(x, MPI.ANY_SOURCE) ** 2)
+        say(f"rank {rank} traced:", jax.jit(jax.grad(f)).lower(jnp.ones(3)) is not None)
+        g = jax.grad(f)(jnp.ones(3)).block_until_ready()
+        say("NO ERROR", g)
+    """, r"vjpmpi\.recv: differentiating a receive needs an explicit 'source': with "
+         r"MPI\.ANY_SOURCE the tangent and cotangent messages could pair with another "
+         r"sender's"),
+}
+
+
+@pytest.mark.parametrize("case", ONE_SIDED)
+def test_check_only_one_rank_can_make_ends_the_job(tmp_path, case):
+    body, message = ONE_SIDED[case]
+    run, took = run_script(tmp_path, body, nprocs=2, timeout=120)
+    assert not run.timed_out and run.returncode != 0, run.describe()
+    assert len(report(run, "traced: True")) == 2, run.describe()  # (tracing raises nowhere)
+    assert "NO ERROR" not in run.output
+    assert re.search(message, run.output), run.describe()
+    assert "Aborting the job (the ranks it exchanges messages with cannot be told)" in run.output
+    assert took < 60, f"job took {took:.1f} s to end"
+
+
 HANG = """
     x = jnp.ones(1000, jnp.float32)
     if rank == 0:

@@ -69,6 +69,8 @@ class Collective:
       linear (`outs`: the primal results).
     - `point_to_point`: the op pairs with one peer's op (send, recv, sendrecv), not with
       a collective of every rank: it takes no part in the ranks' agreement on collectives.
+    - `refuse_derivative`: `params -> None, or why` these parameters have no derivative
+      (a receive from `MPI.ANY_SOURCE`): the tangent op is then bound refused (see `bind`).
     """
 
     name: str
@@ -82,6 +84,7 @@ class Collective:
     transpose: Callable | None = None
     nonlinear_jvp: Callable | None = None
     point_to_point: bool = False
+    refuse_derivative: Callable[[dict], str | None] = lambda params: None
 
     def ffi_target(self) -> str | None:
         return self.name if self.target == "" else self.target
@@ -239,17 +242,22 @@ def _structure(jaxpr: jc.Jaxpr) -> dict[CommRef, tuple]:
     return out
 
 
+_DTYPE_NAMES: dict = {}
+
+
 def _item(spec: "Collective", eqn) -> tuple:
     """What the ranks must agree on about one collective: its op and parameters, dtype
     and per-rank block (the operand without the communicator's rank axis)."""
     params = eqn.params
-    detail = tuple((k, int(params[k])) for k in spec.params)
+    detail = tuple(int(params[k]) for k in spec.params)  # (in the spec's order)
     if not eqn.invars:
-        return (spec.ffi_target(), detail)
+        return (spec.name, detail)
     aval = eqn.invars[0].aval
-    block = aval.shape[1:] if spec.rank_axis(params)[0] else aval.shape
-    return (spec.ffi_target(), tuple(sorted(spec.fixed.items())), detail, str(aval.dtype),
-            tuple(block))
+    name = _DTYPE_NAMES.get(aval.dtype)
+    if name is None:
+        name = _DTYPE_NAMES[aval.dtype] = str(aval.dtype)
+    shape = aval.shape[1:] if spec.rank_axis(params)[0] else aval.shape
+    return (spec.name, detail, name, tuple(shape))
 
 
 def _first_collective(jaxpr: jc.Jaxpr) -> str | None:
@@ -360,7 +368,8 @@ def _lower(ctx, *args, spec: Collective, **params):
     attrs.update({attr: _int64(params[k]) for k, attr in spec.params.items()})
     attrs.update({attr: np.int64(v) for attr, v in spec.fixed.items()})
     attrs["comm"] = np.int64(params["comm"].id)
-    attrs["site"] = np.int64(_site(ctx, spec, params) if _kernels.CHECK or _kernels.TIMEOUT else 0)
+    site = _site(ctx, spec, params) if _kernels.CHECK or _kernels.TIMEOUT else 0
+    attrs["site"] = np.int64(params.get("note", 0) or site)  # (a note describes the call)
     attrs["sig"] = np.int64(params.get("sig", 0))
     attrs["invalid"] = np.int64(params.get("invalid", 0))
     outs = rule(sub, *args, token, **attrs)
@@ -406,6 +415,9 @@ def _jvp(prim, lin, spec: Collective, primals, tangents, **params):
         # Zero tangents become real zeros: the tangent collective must run on every
         # rank, whether or not this rank's input depends on what is differentiated.
         ts = [jc.instantiate_zeros(t) for t in tangents]
+        why = spec.refuse_derivative(params)
+        if why is not None:
+            params = {**params, "invalid": refusal(spec.name, why)}
         t_outs = lin.bind(*ts, **params)
     else:
         t_outs = spec.nonlinear_jvp(primals, tangents, outs, params)
@@ -443,7 +455,7 @@ def make_primitive(spec: Collective) -> tuple[jc.Primitive, jc.Primitive]:
     prim = jc.Primitive(f"vjpmpi_{spec.name}")
     lin = jc.Primitive(f"vjpmpi_{spec.name}_lin")
 
-    def abstract_eval(*avals, ordered=False, sig=0, **params):
+    def abstract_eval(*avals, ordered=False, sig=0, invalid=0, note=0, **params):
         return spec.out_avals(params, *avals), {ORDERED} if ordered else jc.no_effects
 
     def lin_abstract_eval(*avals, **params):
@@ -510,8 +522,24 @@ def _claim(comm: CommRef, op: str) -> None:
     _OWNERS[comm.id] = owner
 
 
-def bind(prim: jc.Primitive, args: Sequence, comm: CommRef, **params) -> list:
-    """Bind `prim` on `args` with its static parameters (exactly those its spec declares)."""
+def refusal(op: str, why: str) -> int:
+    """An argument error that must reach every rank it concerns: the op is bound with it
+    (parameter `invalid`, the hash of its text) instead of raising here, on one rank while
+    the others would wait for this one forever. When the op runs, a collective fails on
+    every rank of its communicator (the ranks' agreement carries the text), and a
+    point-to-point op, whose peers cannot be told, ends the job with the text."""
+    return _kernels.register_site(why if why.startswith("vjpmpi.") else f"vjpmpi.{op}: {why}")
+
+
+def bind(prim: jc.Primitive, args: Sequence, comm: CommRef, *, invalid: str | None = None,
+         note: str | None = None, **params) -> list:
+    """Bind `prim` on `args` with its static parameters (exactly those its spec declares);
+    `invalid`: an argument error for `refusal`; `note`: what this rank's call is, shown
+    for it when the ranks disagree (instead of its call site; not compared)."""
+    if invalid is not None:
+        params["invalid"] = refusal(prim.name.removeprefix("vjpmpi_"), invalid)
+    if note is not None:
+        params["note"] = _kernels.register_site(note)
     if jc.inside_host_callback():
         raise RuntimeError(_IN_CALLBACK.format(op=prim.name.removeprefix("vjpmpi_")))
     if not _SPEC_OF[prim].point_to_point:

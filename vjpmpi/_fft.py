@@ -4,8 +4,11 @@ between them (slab: a 1-D process grid; pencil: a 2-D one).
 Layouts, for an array of d axes on a grid of g dimensions (g < d):
   physical  axis i (i < g) split over grid dimension i; axes g.. whole
   spectral  axis 0 whole; axis i + 1 (i < g) split over grid dimension i; the rest whole
-Every split is `split_sizes` (equal blocks; only rfftn's half-spectrum axis may be
-uneven, its first blocks one longer).
+Every split is `split_sizes` (`ProcessGrid.block`: as equal as can be, the first blocks
+one longer). The global shape is the `shape` argument, or else each rank's block times
+the grid (equal blocks). Before its first alltoall a transform has the ranks of the
+grid agree on that global shape (`_ops.agree_on`, a collective that moves no data), so
+ranks that infer different global shapes from uneven blocks fail together, saying so.
 """
 
 from __future__ import annotations
@@ -19,15 +22,15 @@ from mpi4py import MPI
 from ._composite import ordered_collective
 from ._grid import ProcessGrid, split_sizes, split_start
 from ._mpi import as_comm
-from ._ops import alltoall
+from ._ops import agree_on, alltoall
 
 _NORMS = (None, "backward", "ortho", "forward")
 
 
 def _plan(grid: Any, op: str):
-    """(dims, coords, axis communicators) of `grid`."""
+    """(dims, coords, axis communicators, the whole grid's communicator) of `grid`."""
     if isinstance(grid, ProcessGrid):
-        return grid.dims, grid.coords, grid.axis_comms
+        return grid.dims, grid.coords, grid.axis_comms, grid.cart
     if isinstance(grid, MPI.Cartcomm) and grid.Get_dim() > 1:
         raise TypeError(
             f"vjpmpi.fft.{op}: argument 'grid' is a {grid.Get_dim()}-D Cartesian communicator; "
@@ -39,7 +42,7 @@ def _plan(grid: Any, op: str):
             f"an mpi4py communicator (slab) or None (slab over vjpmpi's COMM_WORLD), "
             f"got {type(grid).__name__}")
     ref = as_comm(grid, f"fft.{op}")
-    return (ref.size,), (ref.rank,), (ref.comm,)
+    return (ref.size,), (ref.rank,), (ref.comm,), ref.comm
 
 
 def _input(x, op: str, real: bool):
@@ -63,12 +66,65 @@ def _check(op: str, x, g: int, norm) -> None:
             f"needs at least {g + 1} axes (one axis must stay whole on every rank)")
 
 
-def _divides(op: str, n: list[int], axis: int, dims, dim: int, what: str) -> None:
-    if n[axis] % dims[dim]:
-        raise ValueError(
-            f"vjpmpi.fft.{op}: axis {axis} of the global {what} {tuple(n)} has {n[axis]} "
-            f"entries, not divisible by the process grid's dimension {dim} ({dims[dim]}); "
-            f"choose sizes that the grid {tuple(dims)} divides")
+def _shape_arg(op: str, shape, ndim: int) -> list[int] | None:
+    if shape is None:
+        return None
+    try:
+        n = [int(v) for v in shape]
+    except (TypeError, ValueError):
+        n = None
+    if n is None or len(n) != ndim or any(v < 1 for v in n):
+        raise ValueError(f"vjpmpi.fft.{op}: argument 'shape' must be the global shape of the "
+                         f"input, {ndim} positive ints, got {shape!r}")
+    return n
+
+
+def _blocks(n, plan, split: tuple[int, ...]) -> tuple[int, ...]:
+    """This rank's block of a global shape `n` whose axes `split[i]` are split over grid
+    dimension i (`ProcessGrid.block`)."""
+    dims, coords = plan[0], plan[1]
+    out = list(n)
+    for i, a in enumerate(split):
+        out[a] = split_sizes(n[a], dims[i])[coords[i]]
+    return tuple(out)
+
+
+def _global(op: str, x, plan, shape, split: tuple[int, ...], given="argument 'shape'"):
+    """(global shape, refusal or None, note) of the input `x`, whose axes `split` are
+    split: `shape` when given (this rank's block must then be its block of it), else this
+    rank's block times the grid, which only equal blocks give alike on every rank."""
+    dims, rank = plan[0], as_comm(plan[3], f"fft.{op}").rank
+    grid = " x ".join(str(d) for d in dims)
+    n = _shape_arg(op, shape, x.ndim)
+    if n is not None:
+        want = _blocks(n, plan, split)
+        refused = None if tuple(x.shape) == want else (
+            f"vjpmpi.fft.{op}: argument 'x' on rank {rank} has shape {tuple(x.shape)}, but its "
+            f"block of the global shape {tuple(n)} ({given}) on the {grid} process grid is "
+            f"{want} (ProcessGrid.block gives each rank's)")
+        return n, refused, f"vjpmpi.fft.{op} of the global shape {tuple(n)} ({given})"
+    n = list(x.shape)
+    for i, a in enumerate(split):
+        n[a] *= dims[i]
+    note = (f"vjpmpi.fft.{op}: global shape {tuple(n)}, from this rank's block "
+            f"{tuple(x.shape)} on the {grid} process grid (blocks of other sizes need the "
+            "argument 'shape')")
+    return n, None, note
+
+
+def _agree(op: str, n, dtype, plan, refused, note) -> bool:
+    """Every rank of the grid agrees on the global shape before the first alltoall; False
+    where this rank refused (it then computes nothing: the transform fails everywhere)."""
+    agree_on(n, dtype, plan[3], f"fft.{op}", note=note, invalid=refused)
+    return refused is None
+
+
+def _phys(g):
+    return tuple(range(g))
+
+
+def _spec(g):
+    return tuple(range(1, g + 1))
 
 
 def _swap(x, comm, p: int, coord: int, gather: int, split: int, n_gather: int, n_split: int):
@@ -102,41 +158,28 @@ def _swap(x, comm, p: int, coord: int, gather: int, split: int, n_gather: int, n
 
 
 def _to_spectral(x, plan, n):
-    dims, coords, comms = plan
+    dims, coords, comms = plan[:3]
     for s in reversed(range(len(dims))):
         x = _swap(x, comms[s], dims[s], coords[s], s, s + 1, n[s], n[s + 1])
     return x
 
 
 def _to_physical(x, plan, n):
-    dims, coords, comms = plan
+    dims, coords, comms = plan[:3]
     for s in range(len(dims)):
         x = _swap(x, comms[s], dims[s], coords[s], s + 1, s, n[s + 1], n[s])
     return x
 
 
-def _physical_shape(op, x, plan, real: bool) -> list[int]:
-    """The global shape of `x` in the physical layout; checks the grid divides it."""
-    dims = plan[0]
-    g = len(dims)
-    n = [x.shape[i] * (dims[i] if i < g else 1) for i in range(x.ndim)]
-    half = real and x.ndim - 1 == g  # rfftn's half spectrum gets split (over dim g - 1)
-    for s in range(g):
-        if not (half and s + 1 == x.ndim - 1):
-            _divides(op, n, s + 1, dims, s, "array")
-    return n
-
-
 @ordered_collective(name="fftn")
-def _fftn(x, plan, norm, transposed, inverse):
+def _fftn(x, plan, norm, transposed, inverse, shape):
     g = len(plan[0])
-    if inverse and transposed:  # spectral in: the global shape from the spectral layout
-        n = [x.shape[0]] + [x.shape[i + 1] * (plan[0][i] if i < g else 1)
-                            for i in range(x.ndim - 1)]
-        for s in range(g):
-            _divides("ifftn", n, s, plan[0], s, "array")
-    else:
-        n = _physical_shape("ifftn" if inverse else "fftn", x, plan, False)
+    op = "ifftn" if inverse else "fftn"
+    spectral_in = inverse and transposed
+    n, refused, note = _global(op, x, plan, shape, _spec(g) if spectral_in else _phys(g))
+    if not _agree(op, n, x.dtype, plan, refused, note):
+        out = _phys(g) if inverse or not transposed else _spec(g)
+        return jnp.zeros(_blocks(n, plan, out), x.dtype)
     if inverse:
         if not transposed:
             x = _to_spectral(x, plan, n)
@@ -152,54 +195,54 @@ def _fftn(x, plan, norm, transposed, inverse):
 
 
 @ordered_collective(name="rfftn")
-def _rfftn(x, plan, norm, transposed):
+def _rfftn(x, plan, norm, transposed, shape):
     g = len(plan[0])
-    n = _physical_shape("rfftn", x, plan, True)
-    n[-1] = n[-1] // 2 + 1
-    split = x.ndim - 1 == g  # the half spectrum is split over grid dimension g - 1
-    if split and n[-1] < plan[0][-1]:
+    n, refused, note = _global("rfftn", x, plan, shape, _phys(g))
+    half = [*n[:-1], n[-1] // 2 + 1]
+    if x.ndim - 1 == g and half[-1] < plan[0][-1]:  # (the whole last axis: every rank alike)
         raise ValueError(
-            f"vjpmpi.fft.rfftn: the last axis has {n[-1]} frequencies, fewer than the process "
-            f"grid's dimension {g - 1} ({plan[0][-1]}) that splits them")
+            f"vjpmpi.fft.rfftn: the last axis has {half[-1]} frequencies, fewer than the "
+            f"process grid's dimension {g - 1} ({plan[0][-1]}) that splits them")
+    if not _agree("rfftn", n, x.dtype, plan, refused, note):
+        out_dtype = jnp.complex64 if x.dtype == jnp.float32 else jnp.complex128
+        return jnp.zeros(_blocks(half, plan, _spec(g) if transposed else _phys(g)), out_dtype)
     x = jnp.fft.rfft(x, axis=-1, norm=norm)
     if x.ndim - 1 > g:
         x = jnp.fft.fftn(x, axes=tuple(range(g, x.ndim - 1)), norm=norm)
     for s in reversed(range(g)):
-        x = _swap(x, plan[2][s], plan[0][s], plan[1][s], s, s + 1, n[s], n[s + 1])
+        x = _swap(x, plan[2][s], plan[0][s], plan[1][s], s, s + 1, half[s], half[s + 1])
         x = jnp.fft.fft(x, axis=s, norm=norm)
-    return x if transposed else _to_physical(x, plan, n)
+    return x if transposed else _to_physical(x, plan, half)
 
 
 @ordered_collective(name="irfftn")
-def _irfftn(k, plan, norm, transposed, last):
-    dims, coords, _ = plan
+def _irfftn(k, plan, norm, transposed, last, shape):
+    dims, coords = plan[0], plan[1]
     g = len(dims)
-    split = transposed and k.ndim - 1 == g
-    if transposed:
-        n = [k.shape[0]] + [k.shape[i + 1] * (dims[i] if i < g else 1)
-                            for i in range(k.ndim - 1)]
-    else:
-        n = [k.shape[i] * (dims[i] if i < g else 1) for i in range(k.ndim)]
-    if split:
+    split_in = _spec(g) if transposed else _phys(g)
+    # where the spectral layout splits the half spectrum, its global length can't be
+    # read off this rank's block: it comes from `shape` or the output length `n`
+    half_split = transposed and k.ndim - 1 == g
+    if half_split and shape is None:
         if last is None:
             raise ValueError(
                 "vjpmpi.fft.irfftn: argument 'n' (the global length of the output's last "
                 "axis) is needed: in this layout the half spectrum is split over ranks")
-        n[-1] = last // 2 + 1
-        want = split_sizes(n[-1], dims[-1])[coords[-1]]
-        if k.shape[-1] != want:
-            raise ValueError(
-                f"vjpmpi.fft.irfftn: argument 'k' has {k.shape[-1]} entries on its last axis; "
-                f"for n={last} this rank's block of the {n[-1]} frequencies has {want}")
+        n_in = list(k.shape)
+        for i, a in enumerate(split_in[:-1]):
+            n_in[a] *= dims[i]
+        n_in[-1] = last // 2 + 1
+        n, refused, note = _global("irfftn", k, plan, n_in, split_in, "with argument 'n'")
     else:
-        if last is not None and last // 2 + 1 != n[-1]:
-            raise ValueError(f"vjpmpi.fft.irfftn: argument 'n'={last} needs {last // 2 + 1} "
-                             f"frequencies on the last axis, 'k' has {n[-1]}")
-        last = 2 * (n[-1] - 1) if last is None else last
-    for s in range(g):
-        if not (s + 1 == k.ndim - 1):
-            _divides("irfftn", n, s + 1, dims, s, "spectrum")
-        _divides("irfftn", n, s, dims, s, "spectrum")
+        n, refused, note = _global("irfftn", k, plan, shape, split_in)
+    if last is None:
+        last = 2 * (n[-1] - 1)
+    elif last // 2 + 1 != n[-1]:
+        raise ValueError(f"vjpmpi.fft.irfftn: argument 'n'={last} needs {last // 2 + 1} "
+                         f"frequencies on the last axis, 'k' has {n[-1]}")
+    if not _agree("irfftn", n, k.dtype, plan, refused, note):
+        real = jnp.float32 if k.dtype == jnp.complex64 else jnp.float64
+        return jnp.zeros(_blocks([*n[:-1], last], plan, _phys(g)), real)
     if not transposed:
         k = _to_spectral(k, plan, n)
     for s in range(g):
@@ -210,7 +253,14 @@ def _irfftn(k, plan, norm, transposed, last):
     return jnp.fft.irfft(k, n=last, axis=-1, norm=norm)
 
 
-def fftn(x, grid=None, *, norm=None, transposed=True):
+_SHAPE_DOC = """
+    `shape`: the global shape of `x` (optional; needed where the blocks are not all
+    equal: each rank's block is then its `ProcessGrid.block` of it). Without it the
+    global shape is this rank's block times the grid; before any data moves the ranks
+    compare the global shapes they use, and raise together if they differ."""
+
+
+def fftn(x, grid=None, *, norm=None, transposed=True, shape=None):
     """N-D FFT of a block-distributed array (all axes), like `numpy.fft.fftn` on the
     global array.
 
@@ -224,10 +274,10 @@ def fftn(x, grid=None, *, norm=None, transposed=True):
     plan = _plan(grid, "fftn")
     x = _input(x, "fftn", real=False)
     _check("fftn", x, len(plan[0]), norm)
-    return _fftn(x, plan, norm, transposed, False)
+    return _fftn(x, plan, norm, transposed, False, shape)
 
 
-def ifftn(k, grid=None, *, norm=None, transposed=True):
+def ifftn(k, grid=None, *, norm=None, transposed=True, shape=None):
     """Inverse of `fftn`: `ifftn(fftn(x, g), g) == x`.
 
     Shape: this rank's block in the spectral layout (physical with `transposed=False`)
@@ -237,10 +287,10 @@ def ifftn(k, grid=None, *, norm=None, transposed=True):
     plan = _plan(grid, "ifftn")
     k = _input(k, "ifftn", real=False)
     _check("ifftn", k, len(plan[0]), norm)
-    return _fftn(k, plan, norm, transposed, True)
+    return _fftn(k, plan, norm, transposed, True, shape)
 
 
-def rfftn(x, grid=None, *, norm=None, transposed=True):
+def rfftn(x, grid=None, *, norm=None, transposed=True, shape=None):
     """N-D FFT of a real block-distributed array, like `numpy.fft.rfftn` (the last axis
     keeps n // 2 + 1 frequencies).
 
@@ -254,16 +304,16 @@ def rfftn(x, grid=None, *, norm=None, transposed=True):
     plan = _plan(grid, "rfftn")
     x = _input(x, "rfftn", real=True)
     _check("rfftn", x, len(plan[0]), norm)
-    return _rfftn(x, plan, norm, transposed)
+    return _rfftn(x, plan, norm, transposed, shape)
 
 
-def irfftn(k, grid=None, *, n=None, norm=None, transposed=True):
+def irfftn(k, grid=None, *, n=None, norm=None, transposed=True, shape=None):
     """Inverse of `rfftn`: `irfftn(rfftn(x, g), g, n=x's last global size) == x`.
 
     Shape: this rank's complex block in the spectral layout (physical with
     `transposed=False`) -> its real block in the physical layout; `n` is the global
     length of the output's last axis (default 2 * (frequencies - 1); needed where the
-    layout splits the half spectrum).
+    layout splits the half spectrum and `shape` is not given).
     Transpose: the real inverse transform's transpose.
     """
     plan = _plan(grid, "irfftn")
@@ -271,4 +321,8 @@ def irfftn(k, grid=None, *, n=None, norm=None, transposed=True):
     _check("irfftn", k, len(plan[0]), norm)
     if n is not None and (not isinstance(n, (int, np.integer)) or n < 1):
         raise ValueError(f"vjpmpi.fft.irfftn: argument 'n' must be a positive int, got {n!r}")
-    return _irfftn(k, plan, norm, transposed, None if n is None else int(n))
+    return _irfftn(k, plan, norm, transposed, None if n is None else int(n), shape)
+
+
+for _f in (fftn, ifftn, rfftn, irfftn):
+    _f.__doc__ = _f.__doc__.rstrip() + "\n" + _SHAPE_DOC

@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _kernels
-from ._collective import Collective, bind, make_primitive
+from ._collective import Collective, bind, make_primitive, refusal
 from ._jax_compat import ShapedArray, Zero, instantiate_zeros, is_undefined_primal
 from ._mpi import MAX, MIN, PROD, RED_NAMES, SUM, as_comm, as_red, check_dtype, check_red_dtype
 
@@ -46,18 +46,20 @@ def _gather_out(params, x):
     return [_with_shape(x, (params["comm"].size, *x.shape))] if _is_root(params) else [x]
 
 
-def _scatter_out(params, x):
-    return [_with_shape(x, x.shape[1:])] if _is_root(params) else [x]
+def _scatter_out(params, x):  # (a refused root's input may lack the rank axis)
+    return [_with_shape(x, x.shape[1:])] if _is_root(params) and x.ndim else [x]
 
 
 # ------------------------------------------------------- the transposes --
 # Each is the adjoint of the global linear map the forward computes, with the
 # inner product summed over ranks (the dot-product tests are the judge).
-def _call(name, x, params, *, tangent=False, **changes):
+def _call(name, x, params, *, tangent=False, invalid=0, **changes):
     """Bind collective `name` on `x` (or a list of operands); its parameters are `changes`,
     else the caller's `params` of the same name. `tangent=True` binds its linearized twin
-    (for tangents inside a JVP rule)."""
+    (for tangents inside a JVP rule); `invalid`: a refusal (`_collective.refusal`)."""
     full = {k: changes[k] if k in changes else params[k] for k in ("comm", *SPECS[name].params)}
+    if invalid:
+        full["invalid"] = invalid
     prim = (LINEARIZED if tangent else PRIMITIVES)[name]
     outs = prim.bind(*(x if isinstance(x, list) else [x]), **full)
     return outs[0] if outs else None
@@ -106,13 +108,23 @@ def _t_exscan(reverse):  # exclusive sums in one rank order: those in the other
                                        red=SUM)]
 
 
+_ANY_SOURCE_REFUSED = (
+    "differentiating a receive needs an explicit 'source': with MPI.ANY_SOURCE the "
+    "tangent and cotangent messages could pair with another sender's, and no rank is "
+    "named to send the cotangent back to")
+
+
+def _refuse_any_source(p):
+    return _ANY_SOURCE_REFUSED if p["source"] == MPI.ANY_SOURCE else None
+
+
 def _transposed_source(p, op):
+    """(the rank a receive's cotangent goes back to, a refusal or 0). A receive from
+    MPI.ANY_SOURCE names none: its transpose is a refused send that ends the job when it
+    runs (the senders wait for their cotangents; they cannot be told)."""
     if p["source"] == MPI.ANY_SOURCE:
-        raise ValueError(
-            f"vjpmpi.{op}: differentiating a receive needs an explicit 'source' "
-            "(MPI.ANY_SOURCE names no rank to send the cotangent back to)"
-        )
-    return p["source"]
+        return MPI.PROC_NULL, refusal(op, _ANY_SOURCE_REFUSED)
+    return p["source"], 0
 
 
 def _back_tag(p, key):
@@ -127,17 +139,20 @@ def _t_send(cts, args, p):  # the cotangent comes back from dest
 
 def _t_recv(cts, args, p):  # send the cotangent back to source; PROC_NULL keeps the template
     (ct,) = cts
-    source = _transposed_source(p, "recv")
-    _call("send", ct, p, dest=source, tag=_back_tag(p, "tag"))
-    return _only_linear(args, [ct if source == MPI.PROC_NULL else jnp.zeros_like(ct)])
+    source, refused = _transposed_source(p, "recv")
+    _call("send", ct, p, dest=source, tag=_back_tag(p, "tag"), invalid=refused)
+    kept = source == MPI.PROC_NULL and not refused
+    return _only_linear(args, [ct if kept else jnp.zeros_like(ct)])
 
 
 def _t_sendrecv(cts, args, p):  # sendrecv with the peers swapped
     (ct,) = cts
-    source = _transposed_source(p, "sendrecv")
+    source, refused = _transposed_source(p, "sendrecv")
     send_ct = _call("sendrecv", [ct, _zeros(args[0])], p, dest=source, source=p["dest"],
-                    sendtag=_back_tag(p, "recvtag"), recvtag=MPI.ANY_TAG, status=0)
-    tmpl_ct = ct if source == MPI.PROC_NULL else jnp.zeros_like(ct)
+                    sendtag=_back_tag(p, "recvtag"), recvtag=MPI.ANY_TAG, status=0,
+                    invalid=refused)
+    kept = source == MPI.PROC_NULL and not refused
+    tmpl_ct = ct if kept else jnp.zeros_like(ct)
     return _only_linear(args, [send_ct, tmpl_ct])
 
 
@@ -297,12 +312,17 @@ SPECS = {
         Collective("send", lambda p, x: [], {"dest": "peer", "tag": "tag"}, transpose=_t_send,
                    point_to_point=True),
         Collective("recv", _like(0), {"source": "peer2", "tag": "tag2", "status": "status"},
-                   alias=(0, 0), transpose=_t_recv, point_to_point=True),
+                   alias=(0, 0), transpose=_t_recv, point_to_point=True,
+                   refuse_derivative=_refuse_any_source),
         Collective("sendrecv", _like(1),
                    {"dest": "peer", "source": "peer2", "sendtag": "tag", "recvtag": "tag2",
                     "status": "status"},
-                   alias=(1, 0), transpose=_t_sendrecv, point_to_point=True),
+                   alias=(1, 0), transpose=_t_sendrecv, point_to_point=True,
+                   refuse_derivative=_refuse_any_source),
         Collective("barrier", lambda p: []),
+        # Private: no data moves, the ranks agree on a zero-size array's shape and dtype
+        # (a composite's global array: vjpmpi.fft); transpose: itself.
+        Collective("agree", _like(0), transpose=_partner("agree")),
         # The replicated-value pair (JAX's psum / pvary, Megatron's g / f).
         Collective("sum_replicated", _like(0), _RED, alias=(0, 0), target="allreduce",
                    transpose=_partner("use_replicated")),
@@ -486,9 +506,15 @@ def scatter(x, root, *, comm=None):
     x = _array(x, "scatter")
     c = as_comm(comm, "scatter")
     root = _rank(root, c, "scatter", "root")
-    if c.rank == root:
-        _rank_axis(x, c, "scatter")
-    (y,) = bind(PRIMITIVES["scatter"], [x], c, root=root)
+    # Only the root can check its input: an error there fails the scatter on every rank
+    # when it runs (`_collective.refusal`), not only on the root while the others wait.
+    invalid = None
+    if c.rank == root and (x.ndim == 0 or x.shape[0] != c.size):
+        invalid = (f"argument 'x' on the root (rank {root}) must have a leading axis of "
+                   f"length comm size {c.size}, got shape {tuple(x.shape)}")
+        if c.size == 1:  # (no other rank to wait for it: now)
+            raise ValueError(f"vjpmpi.scatter: {invalid}")
+    (y,) = bind(PRIMITIVES["scatter"], [x], c, root=root, invalid=invalid)
     return y
 
 
@@ -574,6 +600,14 @@ def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, 
     Shape: (`s`, template `t`) -> `t`.
     Transpose: sendrecv with `source` and `dest` swapped.
     """
+    return _sendrecv(sendbuf, recvbuf, source, dest, sendtag=sendtag, recvtag=recvtag,
+                     comm=comm, status=status)
+
+
+def _sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, comm=None,
+              status=None, invalid=None):
+    """`sendrecv`; `invalid`: an argument error found by a caller on this rank only (a
+    refusal, `_collective.bind`: the job ends with it when the exchange runs)."""
     sendbuf = _array(sendbuf, "sendrecv", "sendbuf")
     recvbuf = _array(recvbuf, "sendrecv", "recvbuf")
     if sendbuf.dtype != recvbuf.dtype:
@@ -588,9 +622,23 @@ def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, 
         source=_rank(source, c, "sendrecv", "source", _SOURCE),
         sendtag=_tag(sendtag, "sendrecv", "sendtag"),
         recvtag=_tag(recvtag, "sendrecv", "recvtag", any_ok=True),
-        status=_status(status, "sendrecv"),
+        status=_status(status, "sendrecv"), invalid=invalid,
     )
     return y
+
+
+def agree_on(shape, dtype, comm, op: str, *, note: str, invalid: str | None = None) -> None:
+    """Every rank of `comm` must pass the same global `shape` and `dtype` here (a collective
+    with no data: the ranks' agreement compares them before the composite's first data
+    moves); `note` describes this rank's view in the message, `invalid` refuses (every
+    rank fails). For composites whose global shape each rank infers from its own block."""
+    c = as_comm(comm, op)
+    if c.size == 1:
+        if invalid is not None:
+            raise ValueError(invalid)
+        return
+    x = jnp.zeros((*shape, 0), dtype)
+    bind(PRIMITIVES["agree"], [x], c, invalid=invalid, note=note)
 
 
 def barrier(*, comm=None):

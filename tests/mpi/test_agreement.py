@@ -63,8 +63,9 @@ MISMATCH = r"(the ranks disagree|collective mismatch \(VJPMPI_CHECK\))"
 
 
 def row(r, text):
-    """The row of rank `r` in a mismatch message (a call site may follow the text)."""
-    return rf"\n  rank {r}: " + re.escape(text)
+    """Rank `r`'s row in a mismatch message shows `text` (with VJPMPI_CHECK the row is
+    the call site's description, the per-rank block in brackets where it differs)."""
+    return rf"\n  rank {r}: [^\n]*" + re.escape(text)
 
 
 def _ones(shape, dtype=jnp.float32):
@@ -206,6 +207,24 @@ def test_each_new_program_is_compared_once(comm):
         np.testing.assert_array_equal(np.asarray(f(x)), size * np.arange(5.0))
     compared = _kernels.cpu.verified_count() - before
     assert compared == (0 if size == 1 else 8 if CHECK else 1)
+
+
+# ------------------------------------------ checks only some ranks can make --
+def test_scatter_root_refusal_fails_on_every_rank(comm):
+    """Only the root can check its input's rank axis: a bad one fails the scatter on
+    every rank when it runs (the others used to wait in MPI_Scatter for ever)."""
+    root = last
+    x = to_device(np.ones((size + 1, 2) if rank == root else (2,), np.float32))
+    raises_everywhere(lambda: vjpmpi.scatter(x, root, comm=comm),
+                      rf"vjpmpi\.scatter: argument 'x' on the root \(rank {root}\) must have a "
+                      rf"leading axis of length comm size {size}, got shape \({size + 1}, 2\)",
+                      rf"found by rank {root}, which alone can check it")
+    # the mpi4py habit: the whole (size, n) array passed on every rank, template included
+    full = to_device(np.ones((size, 3), np.float32))
+    raises_everywhere(lambda: jax.jit(lambda v: vjpmpi.scatter(v, 0, comm=comm))(full),
+                      MISMATCH, "shape differs", row(0, "scatter(root=0) on float32[3]"),
+                      row(1, f"scatter(root=0) on float32[{size}, 3]"))
+    in_step(comm)
 
 
 # -------------------------------------------------------------- lifetimes --

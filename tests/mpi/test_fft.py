@@ -5,6 +5,8 @@ Cost: each transform program is compiled once per layout and shared by the tests
 run it (`compiled`); the single-process references are NumPy (np.fft, and the
 transposes and derivatives written out with it), never eager JAX on the global array."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -274,7 +276,8 @@ def test_dtypes(split_layout):
 def test_rank_dependent_use_and_compiled_order():
     """Rank 0's loss uses the spectrum, the others' do not: the backward transposes still
     run on every rank (no hang) and the gradient equals the global one. What XLA compiles
-    holds the alltoalls in program order: forward transposes, then their adjoints."""
+    holds the collectives in program order: the agreement on the global shape, forward
+    transposes, then their adjoints."""
     grid = vjpmpi.ProcessGrid.create(2, WORLD)
     try:
         shape = (12, 12, 6)
@@ -310,8 +313,10 @@ def test_rank_dependent_use_and_compiled_order():
         compiled = f.as_text()
         assert_ordered(compiled)
         steps = ["alltoall"] * sum(d > 1 for d in grid.dims)  # one per split grid dim
-        # forward transposes, the loss's allreduce, then the adjoint transposes
-        assert collective_sequence(compiled) == steps + ["allreduce"] + steps
+        # the ranks' agreement on the global shape (no data), forward transposes, the
+        # loss's allreduce, then the adjoint transposes and the agreement's transpose
+        agree = ["agree"] if size > 1 else []
+        assert collective_sequence(compiled) == agree + steps + ["allreduce"] + steps + agree
     finally:
         grid.free()
 
@@ -324,11 +329,9 @@ def zeros(shape, dtype=np.float64):
 
 def test_errors_name_the_op_and_argument():
     slab = WORLD
-    if size > 1:  # (one rank splits nothing)
-        with pytest.raises(ValueError, match=r"fft\.fftn: axis 1 of the global array "
-                           r"\(\d+, \d+\) has \d+ entries, not divisible by the process "
-                           r"grid's dimension 0"):
-            vfft.fftn(zeros((3, 4 * size + 1)), slab)
+    with pytest.raises(ValueError, match=r"fft\.fftn: argument 'shape' must be the global "
+                       r"shape of the input, 2 positive ints, got \(4,\)"):
+        vfft.fftn(zeros((3, 4)), slab, shape=(4,))
     with pytest.raises(ValueError, match=r"fft\.fftn: argument 'x' has shape \(4,\)"):
         vfft.fftn(zeros(4), slab)
     with pytest.raises(TypeError, match=r"fft\.rfftn: argument 'x' has dtype complex"):
@@ -355,6 +358,56 @@ def test_errors_name_the_op_and_argument():
         grid.free()
     with pytest.raises(ValueError, match=r"fft\.irfftn: argument 'n'=7 needs 4"):
         vfft.irfftn(zeros((4, 3), jnp.complex128), slab, n=7, transposed=False)
+
+
+def test_uneven_blocks_need_the_global_shape():
+    """Blocks of unequal sizes (ProcessGrid.local of an array the grid does not divide):
+    with `shape` every transform equals NumPy's; without it each rank would infer another
+    global shape from its own block, and the ranks raise together before any data moves,
+    each rank's view in the message (they used to return wrong shapes, or the right shape
+    with wrong values); a rank whose block is not its block of `shape` fails them all."""
+    if size == 1:
+        pytest.skip("one rank holds the whole array")
+    grid = vjpmpi.ProcessGrid.create(2, WORLD)
+    try:
+        shape = (2 * grid.dims[0] + 1, 2 * grid.dims[1] + 1, 4)  # neither split axis even
+        X = rand(shape, 70)
+        x = local(grid, X, phys(grid))
+        k = vfft.fftn(x, grid, shape=shape)
+        K = np.fft.fftn(X)
+        close(grid.gather(k, shape, spec(grid)), K)
+        close(grid.gather(vfft.ifftn(k, grid, shape=shape), shape, phys(grid)), X)
+        R = X.real
+        h = vfft.rfftn(local(grid, R, phys(grid)), grid, shape=shape)
+        close(grid.gather(h, half(shape), spec(grid)), np.fft.rfftn(R))
+        back = vfft.irfftn(h, grid, n=shape[-1], shape=half(shape))
+        close(grid.gather(back, shape, phys(grid)), R)
+
+        with pytest.raises(Exception) as info:  # without `shape`: every rank raises
+            jax.block_until_ready(vfft.fftn(x, grid))
+        text = str(info.value)
+        assert re.search(r"vjpmpi\.agree: (the ranks disagree|collective mismatch "
+                         r"\(VJPMPI_CHECK\)) on a communicator of \d+ ranks .*: shape differs",
+                         text), text
+        for r in range(size):  # each rank's inferred global shape, and its block
+            block = tuple(s_.stop - s_.start for s_ in grid.block(shape, phys(grid), rank=r))
+            inferred = (block[0] * grid.dims[0], block[1] * grid.dims[1], block[2])
+            assert (f"\n  rank {r}: vjpmpi.fft.fftn: global shape {inferred}, from this rank's "
+                    f"block {block}") in text, text
+
+        # a block that is not this rank's block of `shape` (on the ranks of grid row 0; a
+        # shape not run before, so every rank compares: see test_agreement.py)
+        shape2 = (shape[0] + grid.dims[0], *shape[1:])
+        x2 = local(grid, rand(shape2, 71), phys(grid))
+        wrong = x2[:-1] if grid.coords[0] == 0 else x2
+        with pytest.raises(Exception) as info:
+            jax.block_until_ready(vfft.fftn(wrong, grid, shape=shape2))
+        assert re.search(r"vjpmpi\.fft\.fftn: argument 'x' on rank 0 has shape \(\d+, \d+, 4\), "
+                         rf"but its block of the global shape \({shape2[0]}, {shape2[1]}, 4\) "
+                         r"\(argument 'shape'\)", str(info.value)), str(info.value)
+        assert "alone can check it" in str(info.value)
+    finally:
+        grid.free()
 
 
 def test_process_grid_blocks():

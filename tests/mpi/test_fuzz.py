@@ -11,9 +11,13 @@ that reference or, for input that is bad on every rank of the communicator, rais
 TypeError / ValueError whose message starts with "vjpmpi.<op>:" at trace time,
 before any MPI traffic.  A hang, a crash, another exception or a wrong value fails.
 
-Not generated, because no rank-local check can catch them: a wrong leading axis on
-scatter's root alone when the communicator has other ranks (the root raises, the
-others wait in MPI_Scatter for ever), and shapes or dtypes that differ between ranks.
+A wrong leading axis on scatter's root, which only the root can see, fails the
+scatter on every rank when it runs (the root refuses it; a communicator of one rank
+raises at trace time): generated on the communicators each example makes afresh, where
+every rank runs the scatter's program for the first time and so compares it. (Where
+another rank ran the same program before, it is already inside MPI_Scatter and cannot
+be told: the job then ends with the message, tests/test_reliability.py.) Shapes or
+dtypes that differ between ranks are tests/mpi/test_agreement.py's.
 """
 
 import contextlib
@@ -25,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, event, given, settings
+from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
@@ -75,6 +79,9 @@ def agree(params):
     assert keys.count(key) == len(keys), f"ranks drew different examples; this one: {params}"
 
 
+FRESH = ("dup", "split", "cart")  # the kinds made (and freed) for each example
+
+
 @contextlib.contextmanager
 def communicator(kind):
     """(comm argument, rank, size) for one of conftest's communicator kinds."""
@@ -83,7 +90,7 @@ def communicator(kind):
     try:
         yield comm, ref.Get_rank(), ref.Get_size()
     finally:
-        if kind in ("dup", "split", "cart"):
+        if kind in FRESH:
             comm.Free()
 
 
@@ -151,6 +158,11 @@ def resolve(kind, k, size):
     return table[kind]
 
 
+class RefusedWhenRun(Exception):
+    """Expected: an error when the op runs, on every rank (an argument that only one rank
+    can check, refused there), naming the op."""
+
+
 def run(op, fn, mode, errors):
     """Call fn eagerly or under jit; with expected `errors`, it must raise one naming `op`."""
     f = jax.jit(fn) if mode == "jit" else fn
@@ -158,6 +170,11 @@ def run(op, fn, mode, errors):
     event(f"{op}: raises {names}" if errors else f"{op}: returns")  # --hypothesis-show-statistics
     if not errors:
         return f()
+    if RefusedWhenRun in errors:
+        with pytest.raises(Exception) as info:
+            jax.block_until_ready(f())
+        assert f"vjpmpi.{op}: " in str(info.value) and "alone can check it" in str(info.value)
+        return None
     with pytest.raises(tuple(errors)) as info:
         f()
     assert str(info.value).startswith(f"vjpmpi.{op}:"), repr(info.value)
@@ -271,6 +288,9 @@ def test_reductions(op, p):
                                 "use_replicated", "barrier"])
 @fuzz(15)
 @given(p=st.fixed_dictionaries({"root": roots, "lead": leads, **common}))
+# (at least once: a bad rank axis on the root of a fresh communicator, refused when run)
+@example(p={"root": ("ok", 0), "lead": 1, "dtype": "float32", "shape": (2,), "form": "jax",
+            "special": False, "comm": "dup", "mode": "jit", "salt": 0})
 @fail_once
 def test_data_movement(op, p):
     p = {"op": op, **p}
@@ -283,14 +303,18 @@ def test_data_movement(op, p):
         def local_shape(r):
             if op == "alltoall" or (op == "scatter" and r == root_index):
                 shape, errs = rank_axis_shape(p, size)
-                # A bad rank axis on scatter's root alone would leave the other ranks
-                # waiting in MPI_Scatter: only fuzzed where the root is the only rank.
+                # A bad rank axis on scatter's root alone: refused there, an error on
+                # every rank when it runs, where every rank compares (a fresh communicator)
                 if op == "alltoall" or size == 1:
                     return shape, errs
+                if p["comm"] in FRESH and not errors:
+                    return shape, {RefusedWhenRun} if errs else ()
                 return (size, *p["shape"]), ()
             return p["shape"], ()
 
         shape, errs = local_shape(rank)
+        if op == "scatter" and root_index is not None:
+            errs = local_shape(root_index)[1]  # (every rank expects the root's error)
         errors.update(errs)
         x = as_form(payload(shape, dtype, rank, salt, special), p["form"])
         call = {

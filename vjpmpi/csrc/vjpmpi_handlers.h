@@ -138,6 +138,15 @@ ffi::Error Run(Mem& mem, Call& c, const Attrs& a, bool collective, Prepare prepa
     }
   } else {
     c.check_p2p = rt->check_enabled.load(std::memory_order_relaxed);
+    if (a.invalid) {  // (its peers wait in point-to-point calls with it: they cannot be told)
+      std::string why = SiteText(*rt, a.invalid);
+      if (why.empty()) why = std::string("vjpmpi.") + c.op + ": an argument error (its text is not known here)";
+      if (!collective && ce->size > 1) {
+        guard.Pause();
+        AbortWith(why, " (the ranks it exchanges messages with cannot be told)");
+      }
+      e = why;
+    }
   }
   if (e.empty()) e = body();
   std::string end = mem.End();
@@ -305,6 +314,7 @@ VJPMPI_UNARY(kScan, "scan", Scan, Count::kIn, kRed)
 VJPMPI_UNARY(kExscan, "exscan", Exscan, Count::kIn, kRed)
 VJPMPI_UNARY(kOthersProduct, "others_product", OthersProduct, Count::kIn, 0)
 VJPMPI_UNARY(kRecv, "recv", Recv, Count::kOut, 0)
+VJPMPI_UNARY(kAgree, "agree", AgreeOnly, Count::kIn, 0)
 
 ffi::Error SendImpl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::Token>,
                     VJPMPI_ATTR_PARAMS) {
@@ -401,6 +411,7 @@ void DefineCommon(nb::module_& m) {
     d["recv"] = Capsule(kRecv);
     d["sendrecv"] = Capsule(kSendrecv);
     d["barrier"] = Capsule(kBarrier);
+    d["agree"] = Capsule(kAgree);
     d["recurrence"] = Capsule(kRecurrence);
     d["others_product"] = Capsule(kOthersProduct);
     return d;

@@ -919,6 +919,12 @@ inline std::string Sendrecv(const Call& c, const void* send, void* recv) {
   return e.empty() ? ReceivedAll(c, st, c.count2) : e;
 }
 
+// Agree: no data moves; the call is there for the ranks' agreement alone (vjpmpi_agree.h),
+// which compares what every rank passes (a zero-size array whose shape and dtype are a
+// composite's global array: vjpmpi.fft), so that ranks that disagree, or a rank that
+// refuses its arguments, fail together.
+inline std::string AgreeOnly(const Call&, const void*, void*) { return {}; }
+
 inline std::string Barrier(const Call& c, const void*, void*) {
   return Check(MPI_Barrier(c.comm), c.op, "MPI_Barrier");
 }

@@ -526,8 +526,10 @@ inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine
   for (int q = 0; q < n && error.empty(); ++q) {
     if (state[q] == kHave && (all[q].flags & kInvalid)) {
       std::string msg = q == me ? invalid_message : ReadMessage(ch, q);
-      error = head + "rank " + std::to_string(q) + " refused its arguments: " + msg +
-              "\n(every rank stops here: each rank was about to run" + Rows(rt, all, state, me) + ")";
+      error = msg + "\n(found by rank " + std::to_string(q) + ", which alone can check it; "
+              "every rank of the communicator stops at this collective, #" +
+              std::to_string(k) + " there; each rank was about to run:" +
+              Rows(rt, all, state, me) + ")";
     }
   }
   std::vector<bool> have(n);

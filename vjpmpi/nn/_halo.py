@@ -10,7 +10,7 @@ from mpi4py import MPI
 from .._composite import ordered_collective
 from .._grid import ProcessGrid, topology
 from .._mpi import CommRef
-from .._ops import sendrecv
+from .._ops import _sendrecv
 
 
 def _cart_topology(cart, layer: str):
@@ -34,8 +34,10 @@ def _edge(u, axis: int, start: int, stop: int):
 
 
 @ordered_collective(name="halo_exchange")
-def _exchange(u, *, comm, width, neighbours, ndim):
-    """Pad the trailing `ndim` axes of `u` with `width` cells from the neighbours."""
+def _exchange(u, *, comm, width, neighbours, ndim, invalid=None):
+    """Pad the trailing `ndim` axes of `u` with `width` cells from the neighbours;
+    `invalid`: this rank's block is too small (the exchanges end the job when they run:
+    the neighbours, which cannot check this rank's block, wait for its messages)."""
     for axis, (source, dest) in enumerate(neighbours):
         ax = u.ndim - ndim + axis
         n = u.shape[ax]
@@ -46,11 +48,12 @@ def _exchange(u, *, comm, width, neighbours, ndim):
         tmpl_lo = low if source != MPI.PROC_NULL else 0 * low
         tmpl_hi = high if dest != MPI.PROC_NULL else 0 * high
         # Shift +1: send high edge to dest, receive my low halo from source.
-        halo_lo = sendrecv(high, tmpl_lo, source, dest,
-                           sendtag=2 * axis, recvtag=2 * axis, comm=comm)
+        halo_lo = _sendrecv(high, tmpl_lo, source, dest,
+                            sendtag=2 * axis, recvtag=2 * axis, comm=comm, invalid=invalid)
         # Shift -1: send low edge to source, receive my high halo from dest.
-        halo_hi = sendrecv(low, tmpl_hi, dest, source,
-                           sendtag=2 * axis + 1, recvtag=2 * axis + 1, comm=comm)
+        halo_hi = _sendrecv(low, tmpl_hi, dest, source,
+                            sendtag=2 * axis + 1, recvtag=2 * axis + 1, comm=comm,
+                            invalid=invalid)
         # Axis 1 pads the array already padded on axis 0, so corners get filled.
         u = jnp.concatenate([halo_lo, u, halo_hi], axis=ax)
     return u
@@ -93,14 +96,17 @@ class HaloExchange(eqx.Module):
             )
         if self.width == 0:
             return u
-        for n in u.shape[u.ndim - nd:]:
-            if n < self.width:
-                raise ValueError(
-                    f"vjpmpi.nn.HaloExchange: block shape {tuple(u.shape[u.ndim - nd:])} "
-                    f"is smaller than the halo width {self.width}"
-                )
+        # A block smaller than the width on this rank: only this rank can see it, and its
+        # neighbours wait for its halos; the exchange ends the job with this text when it
+        # runs (the other ranks cannot check this rank's block).
+        block = tuple(u.shape[u.ndim - nd:])
+        invalid = None
+        if min(block) < self.width:
+            invalid = (f"vjpmpi.nn.HaloExchange: on rank {self.comm.rank}, the block shape "
+                       f"{block} is smaller than the halo width {self.width} (the neighbours "
+                       "that wait for its halos cannot check it)")
         return _exchange(u, comm=self.comm.comm, width=self.width,
-                         neighbours=self.neighbours, ndim=nd)
+                         neighbours=self.neighbours, ndim=nd, invalid=invalid)
 
 
 class HaloConv(eqx.Module):

@@ -1,4 +1,18 @@
-"""Optimizer state sharded over the data-parallel ranks (ZeRO stages 1 and 2)."""
+"""Optimizer state sharded over the data-parallel ranks (ZeRO stages 1 and 2).
+
+The ranks' gradients travel flattened per dtype (one reduce_scatter and one allgather
+per dtype); rank r holds block r of each dtype's flat vector. The inner optimizer sees
+the parameters' own tree, each leaf replaced by the part of it in this rank's block (a
+run of its elements, shaped (1, ..., 1, k): the leaf's number of axes), so what
+addresses leaves by position, label or number of axes (`optax.masked`,
+`multi_transform`, weight decay on matrices only) works as on the whole tree. What the
+optimizer does to those parts must not depend on the elements it does not see:
+`_refusal` traces its update and refuses any computation that mixes the elements of a
+parameter-shaped array (a reduction, a norm, a reshape, ...), then compares a few steps
+on shards with steps on the whole tree (of the same structure, with small shapes) for
+updates that depend on shapes. The verdict is computed alike on every rank (from shapes
+and fixed probe data), so every rank refuses together.
+"""
 
 from __future__ import annotations
 
@@ -6,46 +20,174 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._jax_compat import jaxprs_in_params
 from .._mpi import RED_NAMES, SUM
 from .._ops import allgather, reduce_scatter
-from ._shard import comm_ref, concat, dtype_groups, split_into
+from ._shard import comm_ref, concat, split_into
+
+# Primitives that act element by element (scalars broadcast): what an update may apply to
+# parameter-shaped arrays.
+_ELEMENTWISE = frozenset("""
+    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj
+    convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2
+    expm1 floor ge gt igamma imag integer_pow is_finite le lgamma log log1p logistic lt
+    max min mul ne neg nextafter not or population_count pow real reduce_precision rem
+    round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin
+    sinh sqrt square sub tan tanh xor
+""".split())
 
 
-def _blocks(leaves, idx, size):
-    """The leaves at `idx` in one vector, zero-padded to a multiple of `size`, as
-    `(size, block)`: row r is rank r's shard."""
-    flat = concat(leaves, idx)
-    return jnp.pad(flat, (0, -flat.size % size)).reshape(size, -1)
+class _Layout:
+    """Where each inexact leaf's elements fall in the ranks' blocks of its dtype's flat
+    vector (zero-padded to a multiple of the size)."""
+
+    def __init__(self, tree, size: int):
+        self.leaves, self.treedef = jax.tree_util.tree_flatten(tree)
+        self.groups: dict[str, list[int]] = {}  # (leaves that are inexact arrays, or
+        for i, leaf in enumerate(self.leaves):   # their shapes: ShapeDtypeStruct)
+            if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact):
+                self.groups.setdefault(jnp.result_type(leaf).name, []).append(i)
+        self.size = size
+        self.block, self.offset, self.group_of = {}, {}, {}
+        for name, idx in self.groups.items():
+            total = 0
+            for i in idx:
+                self.offset[i], self.group_of[i] = total, name
+                total += int(np.size(self.leaves[i]))
+            self.block[name] = -(-total // size)
+
+    def part(self, i: int, r: int) -> tuple[int, int]:
+        """[start, stop) of leaf i's flattened elements in rank r's block."""
+        b, off, n = self.block[self.group_of[i]], self.offset[i], int(np.size(self.leaves[i]))
+        lo, hi = max(off, r * b), min(off + n, (r + 1) * b)
+        return (lo - off, hi - off) if lo < hi else (0, 0)
+
+    def shape(self, i: int, r: int) -> tuple[int, ...]:
+        lo, hi = self.part(i, r)
+        return (1,) * (np.ndim(self.leaves[i]) - 1) + (hi - lo,)
+
+    def shards(self, tree, r: int):
+        """`tree` (of this layout's structure) with each inexact leaf cut to rank r's part."""
+        leaves = jax.tree_util.tree_leaves(tree)
+        out = list(leaves)
+        for idx in self.groups.values():
+            for i in idx:
+                lo, hi = self.part(i, r)
+                out[i] = jnp.ravel(leaves[i])[lo:hi].reshape(self.shape(i, r))
+        return jax.tree_util.tree_unflatten(self.treedef, out)
+
+    def abstract_shards(self, r: int):
+        """The shapes of `shards(tree, r)` (ShapeDtypeStruct leaves), nothing computed."""
+        out = [jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)) if hasattr(a, "dtype")
+               else a for a in self.leaves]
+        for idx in self.groups.values():
+            for i in idx:
+                out[i] = jax.ShapeDtypeStruct(self.shape(i, r), out[i].dtype)
+        return jax.tree_util.tree_unflatten(self.treedef, out)
+
+    def from_block(self, block, name: str, r: int, out: list) -> None:
+        """Rank r's block of dtype `name` cut into its leaves' parts (into `out`)."""
+        for i in self.groups[name]:
+            lo, hi = self.part(i, r)
+            start = self.offset[i] + lo - r * self.block[name]
+            out[i] = block[max(start, 0):max(start, 0) + hi - lo].reshape(self.shape(i, r))
+
+    def to_block(self, shards, name: str):
+        """The inverse of `from_block`: this group's parts in one block (zero-padded)."""
+        flat = [jnp.ravel(shards[i]) for i in self.groups[name]]
+        flat = jnp.concatenate(flat) if flat else jnp.zeros(0)
+        return jnp.pad(flat, (0, self.block[name] - flat.size))
 
 
-def _check_elementwise(inner):
-    """Refuse an optimizer whose update of one element depends on others (a global
-    norm, a per-leaf trust ratio): on shards it would silently differ."""
-    gen = np.random.default_rng(0)
-    p, g1, g2 = (jnp.asarray(gen.standard_normal(8), jnp.float32) for _ in range(3))
+def _mixing(jaxpr) -> str | None:
+    """The first operation of `jaxpr` (nested ones included) that mixes the elements of
+    an array that is not a scalar, or None."""
+    for eqn in jaxpr.eqns:
+        shapes = [tuple(v.aval.shape) for v in (*eqn.invars, *eqn.outvars)
+                  if hasattr(v.aval, "shape")]
+        if all(s == () for s in shapes):
+            continue  # scalar work (step counts, schedules): anything goes
+        subs = list(jaxprs_in_params(eqn.params))
+        if subs:  # calls, branches, loops, custom derivatives: what they run
+            for sub in subs:
+                found = _mixing(sub)
+                if found:
+                    return found
+            continue
+        name = eqn.primitive.name
+        if name == "broadcast_in_dim" and tuple(eqn.invars[0].aval.shape) == ():
+            continue
+        out = tuple(eqn.outvars[0].aval.shape) if eqn.outvars else ()
+        if name in _ELEMENTWISE and all(s in ((), out) for s in shapes):
+            continue
+        return f"{name} on {[list(s) for s in shapes]}"
+    return None
 
-    def steps(params, grads):
-        state = inner.init(params)
-        out = []
+
+def _proxy(tree):
+    """`tree` with every array leaf replaced by one of the same dtype and number of axes,
+    each axis at most 3 long, drawn from a fixed seed (the same on every rank)."""
+    gen = np.random.default_rng(20261202)
+
+    def small(leaf):
+        if not isinstance(leaf, (jax.Array, np.ndarray)) and not hasattr(leaf, "dtype"):
+            return leaf
+        shape = tuple(min(int(d), 3) for d in np.shape(leaf))
+        return jnp.asarray(gen.standard_normal(shape)).astype(jnp.result_type(leaf))
+
+    return jax.tree_util.tree_map(small, tree)
+
+
+def _refusal(inner, params, size: int) -> str | None:
+    """Why `inner` cannot run on shards exactly as on the whole tree (None: it can)."""
+    abstract = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)) if hasattr(a, "dtype")
+        else a, params)
+    layout = _Layout(abstract, size)
+    for what, tree in [("the parameters", abstract), ("a shard of them", layout.abstract_shards(0))]:
+        try:
+            state = jax.eval_shape(inner.init, tree)
+            jaxpr = jax.make_jaxpr(inner.update)(tree, state, tree)
+        except Exception as err:  # noqa: BLE001 (the trace cannot vouch for it)
+            return f"its update could not be traced on {what} ({err!r})"
+        found = _mixing(jaxpr.jaxpr)
+        if found:
+            return (f"its update mixes the elements of a parameter ({found}, traced on "
+                    f"{what}), e.g. a global or per-leaf norm, a factored second moment")
+    # element-wise: does it also compute the same on shards? (shape-dependent code)
+    with jax.ensure_compile_time_eval():  # (init may be traced under jit: probe now)
+        return _differs(inner, params, size)
+
+
+def _differs(inner, params, size: int) -> str | None:
+    proxy = _proxy(params)
+    small = _Layout(proxy, size)
+    steps = [jax.tree_util.tree_map(lambda a, s=s: a * s, _proxy(params))
+             for s in (1e-3, 1.0, 1e3)]
+
+    def run(p, grads):
+        state, out = inner.init(p), []
         for g in grads:
-            u, state = inner.update(g, state, params)
-            out.append(u)
+            u, state = inner.update(g, state, p)
+            out.append(jax.tree_util.tree_leaves(u))
         return out
 
     try:
-        whole = steps(p, [g1, g2])
-        halves = [steps(p[s], [g1[s], g2[s]]) for s in (slice(0, 3), slice(3, 8))]
-    except Exception as err:  # noqa: BLE001 (any failure: the probe cannot vouch for it)
-        raise ValueError(
-            "vjpmpi.nn.sharded_optimizer: could not check that the optimizer acts "
-            f"element-wise (probe update failed: {err!r})") from err
-    for k, u in enumerate(whole):
-        if not np.allclose(u, jnp.concatenate([h[k] for h in halves]), rtol=1e-5, atol=1e-7):
-            raise ValueError(
-                "vjpmpi.nn.sharded_optimizer: the optimizer does not act element-wise (an "
-                "update depends on other elements, e.g. clip_by_global_norm or a per-leaf "
-                "norm), so its shards would give different steps; apply it to the "
-                "allreduce_gradients of a plain optimizer instead")
+        whole = run(proxy, steps)
+        for r in sorted({0, size - 1}):
+            parts = run(small.shards(proxy, r), [small.shards(g, r) for g in steps])
+            for k, (w, p) in enumerate(zip(whole, parts, strict=True)):
+                for i in (i for idx in small.groups.values() for i in idx):
+                    lo, hi = small.part(i, r)
+                    want = np.ravel(np.asarray(w[i]))[lo:hi].astype(np.float64)
+                    got = np.ravel(np.asarray(p[i])).astype(np.float64)
+                    if not np.allclose(got, want, rtol=1e-5, atol=1e-12 * (1 + np.abs(want).max(initial=0))):
+                        return ("its step on a shard differs from its step on the whole "
+                                f"parameters (leaf {i}, step {k + 1}): it depends on the "
+                                "parameters' shapes")
+    except Exception as err:  # noqa: BLE001
+        return f"its update failed on a shard of the parameters ({err!r})"
+    return None
 
 
 def sharded_optimizer(inner, *, mean: bool = True, comm=None):
@@ -53,37 +195,56 @@ def sharded_optimizer(inner, *, mean: bool = True, comm=None):
 
     ZeRO stages 1 and 2 for data parallelism: `update` reduce-scatters the ranks' local
     gradients (summed, or averaged with `mean`), so each rank gets the reduced gradient
-    of its block of every parameter (flattened per dtype); it runs `inner` on that
-    block alone, whose state is the only one it keeps (1/size of `inner`'s); and it
-    allgathers the blocks' updates. The result equals `inner` applied to
-    `allreduce_gradients(grads, mean=mean)`, step for step, for an element-wise
-    `inner` (sgd, momentum, adam, adamw, rmsprop, ...); one whose update mixes elements
-    (e.g. `optax.clip_by_global_norm`) is refused when the wrapper is made.
+    of its block of the parameters (flattened per dtype); it runs `inner` on that block
+    alone, cut into the parameters' tree (each leaf's part of the block), whose state is
+    the only one it keeps (1/size of `inner`'s); and it allgathers the blocks' updates.
+    The result equals `inner` applied to `allreduce_gradients(grads, mean=mean)`, step
+    for step, for any `inner` that treats each element on its own (sgd, momentum, adam,
+    adamw, lion, rmsprop, ..., `masked`, `multi_transform`, weight decay masked by tree
+    or by number of axes); `init` refuses, on every rank, one whose update mixes elements
+    (`clip_by_global_norm`, `adafactor`, `lamb`, per-leaf clipping) or depends on the
+    parameters' shapes, saying why.
     Shape: local gradients (a pytree) -> replicated updates (the same pytree).
     Transpose: (not differentiated) one reduce_scatter and one allgather per dtype.
     """
     import optax
 
     ref = comm_ref(comm, "sharded_optimizer")
-    _check_elementwise(inner)
+    checked: dict = {}  # the parameters' structure and shapes -> refusal (None: fine)
 
-    def shards(tree):
-        leaves, _, groups = dtype_groups(tree)
-        return {name: _blocks(leaves, idx, ref.size)[ref.rank] for name, idx in groups.items()}
+    def layout_of(tree):
+        key = (jax.tree_util.tree_structure(tree),
+               tuple((np.shape(a), str(jnp.result_type(a))) if hasattr(a, "dtype") else None
+                     for a in jax.tree_util.tree_leaves(tree)))
+        if key not in checked:
+            checked[key] = _refusal(inner, tree, ref.size)
+        if checked[key] is not None:
+            raise ValueError(
+                f"vjpmpi.nn.sharded_optimizer: the optimizer cannot run on shards of the "
+                f"parameters exactly as on all of them: {checked[key]}. Apply it to the "
+                "allreduce_gradients of a plain optimizer instead.")
+        return _Layout(tree, ref.size)
 
     def init(params):
-        return inner.init(shards(params))
+        return inner.init(layout_of(params).shards(params, ref.rank))
 
     def update(grads, state, params=None):
-        leaves, treedef, groups = dtype_groups(grads)
-        summed = {}
-        for name, idx in groups.items():
-            block = reduce_scatter(_blocks(leaves, idx, ref.size), RED_NAMES[SUM], comm=ref.comm)
-            summed[name] = block / ref.size if mean else block
-        updates, state = inner.update(summed, state, None if params is None else shards(params))
+        layout = layout_of(grads)
+        leaves = layout.leaves
+        parts = list(leaves)
+        for name, idx in layout.groups.items():
+            flat = concat(leaves, idx)
+            blocks = jnp.pad(flat, (0, layout.block[name] * ref.size - flat.size))
+            block = reduce_scatter(blocks.reshape(ref.size, -1), RED_NAMES[SUM], comm=ref.comm)
+            layout.from_block(block / ref.size if mean else block, name, ref.rank, parts)
+        mine = jax.tree_util.tree_unflatten(layout.treedef, parts)
+        shards = None if params is None else layout.shards(params, ref.rank)
+        updates, state = inner.update(mine, state, shards)
+        done = jax.tree_util.tree_leaves(updates)
         out = list(leaves)
-        for name, idx in groups.items():
-            split_into(out, leaves, idx, allgather(updates[name], comm=ref.comm).reshape(-1))
-        return jax.tree_util.tree_unflatten(treedef, out), state
+        for name, idx in layout.groups.items():
+            gathered = allgather(layout.to_block(done, name), comm=ref.comm)
+            split_into(out, leaves, idx, gathered.reshape(-1))
+        return jax.tree_util.tree_unflatten(layout.treedef, out), state
 
     return optax.GradientTransformation(init, update)
