@@ -109,7 +109,8 @@ if cuda is not None:
 
 
 def register_site(text: str) -> int:
-    """Register a call-site description (one registry for every backend); its id."""
+    """Register a call-site description, or an argument error's text (one registry for
+    every backend); the hash of the text, the same in every process."""
     return cpu.register_site(text)
 
 

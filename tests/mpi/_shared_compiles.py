@@ -6,11 +6,11 @@ compile. With VJPMPI_TEST_SHARED_COMPILES=DIR (tests/test_multirank.py sets one 
 pytest session), JAX's persistent compilation cache lives in DIR, and a program that is
 not there yet is compiled by the first rank that asks for it while the others sleep
 until it is written, then load it. Only a byte-identical key is shared: the same HLO
-module (every attribute of every collective: communicator handle, tags, roots, call-site
-id), the same compile options, XLA flags and JAX version. So a rank loads exactly the
-executable it would have compiled, and programs that differ between ranks (or jobs) are
-compiled by each. Tracing and lowering still run on every rank (the call-site
-descriptions of VJPMPI_CHECK are registered there).
+module (every attribute of every collective: communicator number, tags, roots, program
+signature, call-site hash), the same compile options, XLA flags and JAX version. So a
+rank loads exactly the executable it would have compiled, and programs that differ
+between ranks (or jobs) are compiled by each. Tracing and lowering still run on every
+rank (the texts of call sites and argument errors are registered there).
 
 This leans on JAX internals (the cache object, `compile_or_get_cached`); where they are
 not what it expects, `share_compiles` returns False and every rank compiles on its own.

@@ -796,9 +796,10 @@ inline std::string CompareHeader(const Call& c, const P2PHeader& got, int source
 // sendrecv) so that neither side is left waiting; the receive is then an error.
 inline std::string Drain(const Call& c, const void* send, int source, int tag) {
   MPI_Request req = MPI_REQUEST_NULL;
-  MPI_Datatype t = Datatype(c.kind);
   if (send != nullptr) {
-    auto e = Check(VJPMPI_BY_COUNT(c.count, MPI_Isend, send, n, t, c.peer, c.tag, c.comm, &req),
+    size_t bytes = c.count * ByteSize(c.kind);
+    auto e = Check(VJPMPI_BY_COUNT(bytes, MPI_Isend, send, n, MPI_BYTE, c.peer, c.tag, c.comm,
+                                   &req),
                    c.op, "MPI_Isend");
     if (!e.empty()) return e;
   }
@@ -814,37 +815,38 @@ inline std::string Drain(const Call& c, const void* send, int source, int tag) {
 inline std::string Send(const Call& c, const void* send, void*) {
   auto e = CountCheck(c.count, c.op);
   if (!e.empty()) return e;
-  MPI_Datatype t = Datatype(c.kind);
   if (c.check_p2p) {
     P2PHeader h = MakeHeader(c, c.dims, c.ndim);
     e = Check(MPI_Send(&h, sizeof(h), MPI_BYTE, c.peer, c.tag, c.comm), c.op,
               "MPI_Send (VJPMPI_CHECK header)");
     if (!e.empty()) return e;
   }
-  return Check(VJPMPI_BY_COUNT(c.count, MPI_Send, send, n, t, c.peer, c.tag, c.comm), c.op,
+  size_t bytes = c.count * ByteSize(c.kind);  // (as bytes: see ReceivedAll)
+  return Check(VJPMPI_BY_COUNT(bytes, MPI_Send, send, n, MPI_BYTE, c.peer, c.tag, c.comm), c.op,
                "MPI_Send");
 }
 
 // A receive fills its whole template or is an error: MPI accepts a shorter message
 // and leaves the rest of the buffer as it was (a longer one is MPI_ERR_TRUNCATE).
-// Nothing arrives from MPI_PROC_NULL, and the template is kept.
+// Point-to-point messages travel as bytes, so that one that is not a whole number of
+// the template's elements arrives (and is an error here) instead of stopping MPICH in
+// an assertion while it unpacks. Nothing arrives from MPI_PROC_NULL: the template is kept.
 inline std::string ReceivedAll(const Call& c, const MPI_Status& st, size_t want) {
   if (st.MPI_SOURCE == MPI_PROC_NULL) return {};
-  MPI_Datatype t = Datatype(c.kind);
+  size_t w = ByteSize(c.kind);
 #if MPI_VERSION >= 4
   MPI_Count got = 0;
-  int rc = MPI_Get_count_c(&st, t, &got);
+  int rc = MPI_Get_count_c(&st, MPI_BYTE, &got);
 #else
   int got = 0;
-  int rc = MPI_Get_count(&st, t, &got);
+  int rc = MPI_Get_count(&st, MPI_BYTE, &got);
 #endif
   if (rc != MPI_SUCCESS) return Check(rc, c.op, "MPI_Get_count");
-  if (got != MPI_UNDEFINED && static_cast<size_t>(got) == want) return {};
-  int bytes = 0;
-  MPI_Get_count(&st, MPI_BYTE, &bytes);
-  std::string what = got == MPI_UNDEFINED
+  size_t bytes = static_cast<size_t>(got);
+  if (bytes == want * w) return {};
+  std::string what = bytes % w
       ? std::to_string(bytes) + " bytes (not a whole number of " + KindName(c.kind) + ")"
-      : std::to_string(static_cast<long long>(got)) + " elements of " + KindName(c.kind);
+      : std::to_string(bytes / w) + " elements of " + KindName(c.kind);
   return std::string("vjpmpi.") + c.op + ": received " + what + " from rank " +
          std::to_string(st.MPI_SOURCE) + " (tag " + std::to_string(st.MPI_TAG) +
          "), but the receive template holds " + std::to_string(want) +
@@ -887,8 +889,8 @@ inline std::string Recv(const Call& c, const void*, void* recv) {
     if (!e.empty()) return e;
   }
   MPI_Status st;
-  MPI_Datatype t = Datatype(c.kind);
-  e = Check(VJPMPI_BY_COUNT(c.count, MPI_Recv, recv, n, t, source, tag, c.comm, &st), c.op,
+  size_t bytes = c.count * ByteSize(c.kind);
+  e = Check(VJPMPI_BY_COUNT(bytes, MPI_Recv, recv, n, MPI_BYTE, source, tag, c.comm, &st), c.op,
             "MPI_Recv");
   if (c.status) *c.status = st;
   return e.empty() ? ReceivedAll(c, st, c.count) : e;
@@ -904,15 +906,17 @@ inline std::string Sendrecv(const Call& c, const void* send, void* recv) {
     if (!e.empty()) return e;
   }
   MPI_Status st;
-  MPI_Datatype t = Datatype(c.kind);
-  if (Large(big)) {
+  size_t w = ByteSize(c.kind), out = c.count * w, in = c.count2 * w;
+  if (Large(out) || Large(in)) {
 #if MPI_VERSION >= 4
-    e = Check(MPI_Sendrecv_c(send, (MPI_Count)c.count, t, c.peer, c.tag, recv,
-                             (MPI_Count)c.count2, t, source, tag, c.comm, &st),
+    e = Check(MPI_Sendrecv_c(send, (MPI_Count)out, MPI_BYTE, c.peer, c.tag, recv,
+                             (MPI_Count)in, MPI_BYTE, source, tag, c.comm, &st),
               c.op, "MPI_Sendrecv");
+#else
+    e = CountCheck(out > in ? out : in, c.op);
 #endif
   } else {
-    e = Check(MPI_Sendrecv(send, (int)c.count, t, c.peer, c.tag, recv, (int)c.count2, t,
+    e = Check(MPI_Sendrecv(send, (int)out, MPI_BYTE, c.peer, c.tag, recv, (int)in, MPI_BYTE,
                            source, tag, c.comm, &st), c.op, "MPI_Sendrecv");
   }
   if (c.status) *c.status = st;
