@@ -228,9 +228,19 @@ def test_vmap_of_every_op(name):  # mpi4jax batches allreduce, sendrecv and barr
 def test_bad_input_errors_have_mpi4jax_s_types():
     with pytest.raises(ValueError, match="alltoall"):  # leading axis must be the size
         m4j.alltoall(jnp.zeros((size + 1, 2)))
-    if rank == 0:  # only the root's input has the rank axis
+    # only the root's input has the rank axis, and only the root can check it: with other
+    # ranks it fails the scatter on every rank when it runs (they used to wait for ever)
+    x = jnp.zeros((size + 1, 2)) if rank == 0 else jnp.zeros(2)
+    if size == 1:
         with pytest.raises(ValueError, match="scatter"):
-            m4j.scatter(jnp.zeros((size + 1, 2)), 0)
+            m4j.scatter(x, 0)
+    else:
+        fresh = MPI.COMM_WORLD.Dup()  # (every rank runs the scatter's program first here)
+        try:
+            with pytest.raises(Exception, match=r"vjpmpi\.scatter: argument 'x' on the root"):
+                jax.block_until_ready(m4j.scatter(x, 0, comm=fresh))
+        finally:
+            fresh.Free()
     with pytest.raises(TypeError, match="comm"):
         m4j.allreduce(jnp.zeros(2), MPI.SUM, comm="world")
     with pytest.raises(TypeError, match="root"):
