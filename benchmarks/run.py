@@ -437,7 +437,7 @@ def main():
         print(text)
         sys.exit(0 if gpu is not None else f"GPU benchmark failed: {why}")
     with tempfile.TemporaryDirectory() as work:
-        m, m_why = run_part("main", args.ranks, args.quick, 300 if args.quick else 480, work)
+        m, m_why = run_part("main", args.ranks, args.quick, 300 if args.quick else 900, work)
         if m is None:
             sys.exit(f"benchmark suite failed: {m_why}")
         g, g_why = run_part("gloo", args.ranks, args.quick, 120 if args.quick else 240, work)
