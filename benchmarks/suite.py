@@ -663,6 +663,183 @@ def net_part(quick):
 NET_VARS = ("MPIR_CVAR_NOLOCAL", "MPIR_CVAR_CH4_NETMOD", "FI_PROVIDER", "OMPI_MCA_btl", "OMPI_MCA_pml")
 
 
+# ------------------------------------------------------------------- overlap --
+def _steps(cases, reps):
+    """Median seconds per call of each (function, args) case, in turn within each
+    repetition (after a warm-up call each), so that drift hits every case alike."""
+    import jax
+
+    for f, args in cases.values():
+        jax.block_until_ready(f(*args))
+    times = {k: [] for k in cases}
+    for _ in range(reps):
+        for k, (f, args) in cases.items():
+            COMM.Barrier()
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[k].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def _dp_mlp(quick):
+    """A data-parallel MLP training step three ways: compute only (no gradient sync),
+    the gradient all-reduced after the backward pass, synchronously
+    (`allreduce_gradients`, one call), and reduced in buckets inside the backward pass,
+    asynchronously (`sync_gradients`): each bucket's allreduce travels while the
+    backward pass computes the earlier layers' gradients."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import vjpmpi
+    import vjpmpi.nn
+
+    width, depth, batch, reps = (64, 3, 32, 3) if quick else (512, 7, 2560, 7)
+    params, static = eqx.partition(
+        eqx.nn.MLP(width, width, width, depth, key=jax.random.PRNGKey(0)), eqx.is_array)
+    rng = np.random.default_rng(RANK)
+    x = jnp.asarray(rng.standard_normal((batch, width)).astype(np.float32))
+    y = jnp.asarray(rng.standard_normal((batch, width)).astype(np.float32))
+    bucket = (width * width + width) * 4  # one layer's weight and bias per bucket
+
+    def loss(p, x, y):
+        return jnp.mean((jax.vmap(eqx.combine(p, static))(x) - y) ** 2)
+
+    def update(m, g):
+        return jax.tree_util.tree_map(lambda p, d: p - 1e-3 * d, m, g)
+
+    @jax.jit
+    def compute_only(m, x, y):
+        return update(m, jax.grad(loss)(m, x, y))
+
+    @jax.jit
+    def after(m, x, y):
+        return update(m, vjpmpi.nn.allreduce_gradients(jax.grad(loss)(m, x, y)))
+
+    @jax.jit
+    def overlapped(m, x, y):
+        g = jax.grad(lambda m: loss(vjpmpi.nn.sync_gradients(m, bucket_bytes=bucket), x, y))(m)
+        return update(m, g)
+
+    flat = vjpmpi.nn.allreduce_gradients  # the same message alone, for scale
+    grads = jax.grad(loss)(params, x, y)
+    comm_only = jax.jit(flat)
+    with vjpmpi.async_threshold(None):
+        sync = _steps({"compute": (compute_only, (params, x, y)),
+                       "after": (after, (params, x, y)),
+                       "allreduce": (comm_only, (grads,))}, reps)
+    t = _steps({"overlapped": (overlapped, (params, x, y))}, reps)
+    n_params = sum(p.size for p in jax.tree_util.tree_leaves(params))
+    return {"width": width, "layers": depth + 1, "batch": batch, "params": int(n_params),
+            "bucket_bytes": bucket, **sync, **t}
+
+
+def _halo(quick, rows):
+    """A 2-D reaction-diffusion step on a grid split by rows, one halo row exchanged
+    with each neighbour (vjpmpi.sendrecv) per step. The edge rows are sent as soon as
+    they are computed, and the interior rows, which need no halo, are updated while
+    the halos travel."""
+    import jax
+    import jax.numpy as jnp
+    import vjpmpi
+
+    cols, steps, reps = (256, 2, 3) if quick else (1 << 18, 4, 5)
+    rows = 8 if quick else rows
+    CHUNKS = 4
+    up = RANK - 1 if RANK > 0 else MPI.PROC_NULL
+    down = RANK + 1 if RANK + 1 < SIZE else MPI.PROC_NULL
+
+    def react(v):  # a costly pointwise term: the update costs about what a message does
+        return 0.1 * jnp.tanh(3 * v) * jnp.exp(-v * v) + 0.01 * jnp.sin(7 * v)
+
+    def rows_update(above, mid, below):  # 5-point diffusion of `mid`, plus the reaction
+        left, right = jnp.roll(mid, 1, axis=-1), jnp.roll(mid, -1, axis=-1)
+        return mid + 0.1 * (above + below + left + right - 4 * mid) + react(mid)
+
+    def exchange(first, last):  # the halos above the first row and below the last
+        top = vjpmpi.sendrecv(last, first, source=up, dest=down, sendtag=1, recvtag=1)
+        bottom = vjpmpi.sendrecv(first, last, source=down, dest=up, sendtag=2, recvtag=2)
+        return top, bottom
+
+    def local(first, last):  # the same step, the halos taken from this rank's own rows
+        return last * 0.5, first * 0.5
+
+    def interior_rows(u):
+        """Rows 1 to rows - 2, in CHUNKS blocks run one after the other: XLA:CPU runs the
+        ready thunks in order, and a call becomes ready with the first block, so it starts
+        after one block rather than after the whole interior."""
+        bounds = np.linspace(1, rows - 1, CHUNKS + 1).astype(int)
+        out, dep = [], u
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            block = rows_update(dep[a - 1:b - 1], dep[a:b], dep[a + 1:b + 1])
+            block, dep = jax.lax.optimization_barrier((block, dep))
+            out.append(block)
+        return jnp.concatenate(out)
+
+    def loop(exchange):  # (unrolled: XLA runs a loop body of 8 thunks or fewer in order)
+        def run(u):
+            first, last = u[:1], u[-1:]
+            for _ in range(steps):
+                top, bottom = exchange(first, last)
+                interior = interior_rows(u)
+                first = rows_update(top, u[:1], u[1:2])
+                last = rows_update(u[-2:-1], u[-1:], bottom)
+                u = jnp.concatenate([first, interior, last])
+            return u
+        return jax.jit(run)
+
+    u = jnp.asarray(np.random.default_rng(RANK).random((rows, cols)).astype(np.float32))
+    with vjpmpi.async_threshold(None):
+        sync = _steps({"compute": (loop(local), (u,)), "after": (loop(exchange), (u,))}, reps)
+    t = _steps({"overlapped": (loop(exchange), (u,))}, reps)
+    return {"rows": rows, "cols": cols, "steps": steps, "halo_bytes": cols * 4,
+            **{k: v / steps for k, v in {**sync, **t}.items()}}
+
+
+def async_part(quick):
+    """What running calls on the communicator's thread costs where nothing overlaps
+    (shared memory, a jitted loop of dependent allreduces): per call, every call run
+    synchronously (threshold None) against the default (VJPMPI_ASYNC_BYTES: calls of
+    64 KiB and more asynchronous) and every call asynchronous (threshold 0)."""
+    import jax.numpy as jnp
+    import vjpmpi
+
+    reps, iters = (3, 2) if quick else (7, 20)
+    sizes = [(64, 4 * iters), (1 << 16, iters)] if quick else [
+        (64, 100 * iters), (1 << 16, 5 * iters), (MIB, iters), (16 * MIB, 2)]
+    modes = {"sync": None, "default": vjpmpi._kernels.ASYNC_BYTES, "async": 0}
+    rows = []
+    for nbytes, n in sizes:
+        x = jnp.ones(nbytes // 4, jnp.float32)
+        cases = {}
+        for name, threshold in modes.items():
+            one, three = loops(lambda k: fori(lambda c: vjpmpi.allreduce(c, MPI.SUM) * 0.5, k),
+                               x, n)
+
+            def within(fn, threshold=threshold):
+                def run():
+                    with vjpmpi.async_threshold(threshold):
+                        fn()
+                return run
+
+            cases[name + "1"], cases[name + "3"] = within(one), within(three)
+        t = interleaved(cases, reps)
+        rows.append({"bytes": nbytes, **{name: max(t[name + "3"] - t[name + "1"], 1e-9) / (2 * n)
+                                        for name in modes}})
+    return {"ranks": SIZE, "default_bytes": modes["default"], "rows": rows}
+
+
+def overlap_part(quick):
+    """Communication that overlaps computation (run.py runs it at 2 ranks on the
+    simulated network of benchmarks/simnet.sh): a data-parallel MLP step and a halo
+    exchange, each compute-only, synchronous, and overlapped (asynchronous calls)."""
+    import vjpmpi
+
+    return {"ranks": SIZE, "async_bytes": vjpmpi._kernels.ASYNC_BYTES,
+            "env": {k: os.environ.get(k) for k in NET_VARS if k in os.environ},
+            "link": os.environ.get("VJPMPI_SIMNET_RATE"),
+            "mlp": _dp_mlp(quick), "halo": [_halo(quick, rows) for rows in (32, 16)]}
+
+
 # ---------------------------------------------------------------------- gloo --
 def gloo_part(quick):
     port = None
@@ -713,13 +890,14 @@ def gloo_part(quick):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", choices=("main", "gloo", "check", "gpu", "net", "nonlinear",
-                                           "memory", "fft"), default="main")
+                                           "memory", "fft", "overlap", "async"),
+                        default="main")
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     part = {"main": main_part, "gloo": gloo_part, "check": check_part, "gpu": gpu_part,
             "net": net_part, "nonlinear": nonlinear_part, "memory": memory_part,
-            "fft": fft_part}[args.part]
+            "fft": fft_part, "overlap": overlap_part, "async": async_part}[args.part]
     result = part(args.quick)
     if RANK == 0:
         with open(args.json, "w") as fh:

@@ -57,9 +57,19 @@ def test_benchmark_suite_smoke(tmp_path):
     mem = main["memory"]
     assert mem is not None and mem["ranks"] == 8, main["memory_why"]
     assert all(r["fwd_xla"] > 0 and r["vg_xla"] > 0 for r in mem["rows"])
+    # the overlap part (shared memory in the smoke run) and the asynchronous calls' cost
+    ovl, asy = main["overlap"], main["async"]
+    assert ovl is not None, main["overlap_why"]
+    assert all(ovl["mlp"][k] > 0 for k in ("compute", "after", "overlapped", "allreduce"))
+    assert [h["rows"] for h in ovl["halo"]] == [8, 8]
+    assert all(h[k] > 0 for h in ovl["halo"] for k in ("compute", "after", "overlapped"))
+    assert asy is not None, main["async_why"]
+    assert [r["bytes"] for r in asy["rows"]] == [64, 1 << 16]
+    assert all(r[k] > 0 for r in asy["rows"] for k in ("sync", "default", "async"))
     text = (tmp_path / "results.md").read_text()
     assert "## Nonlinear derivatives" in text and "## Peak memory" in text
     assert "## Distributed FFT" in text
     assert "## Network path: shared memory off" in text
+    assert "## Overlap: communication while XLA computes" in text
     assert "## Targets:" in text and "| target | measured | met |" in text
     assert (tmp_path / "results.png").stat().st_size > 10_000

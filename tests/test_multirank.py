@@ -4,9 +4,11 @@ mpiexec job, and check what ran against tests/expected_counts.json.
 The jobs:
   1, 2, 4   every file (but those of ONLY_AT that leave the count out);
   3         the odd count (one rank against two), with the mismatch check and the
-            watchdog on in every test (JOB_ENV: VJPMPI_CHECK=1, VJPMPI_TIMEOUT=300):
-            the check must pass whatever the suite does, and a wrong pairing in the
-            ordering suites is an error naming every rank's collective;
+            watchdog on in every test, and every call that moves data asynchronous
+            (JOB_ENV: VJPMPI_CHECK=1, VJPMPI_TIMEOUT=300, VJPMPI_ASYNC_BYTES=0): the
+            check must pass whatever the suite does, a wrong pairing in the ordering
+            suites is an error naming every rank's collective, and every op's results,
+            derivatives and order hold on the communicators' threads;
   8         (oversubscribed) the files of WIDE, whose algorithms depend on the rank
             count, without their tests marked `narrow` (work that does not change past
             4 ranks: dtype coverage, vmap, checkpoint, second derivatives).
@@ -78,7 +80,7 @@ TABLE = TESTS / "expected_counts.json"
 QUICK_RANKS = (2,)
 QUICK_LEAVES_OUT = ("mpi/test_example_*.py",)
 # The environment of a rank count's job (see the module docstring).
-JOB_ENV = {3: {"VJPMPI_CHECK": "1", "VJPMPI_TIMEOUT": "300"}}
+JOB_ENV = {3: {"VJPMPI_CHECK": "1", "VJPMPI_TIMEOUT": "300", "VJPMPI_ASYNC_BYTES": "0"}}
 # Rank counts past 4 (oversubscribed) and the files that run there, each without its
 # tests marked `narrow`: the nonlinear derivatives' scans over the ranks and the
 # adjoints of every linear op and root, at a count of ranks past 4.

@@ -27,6 +27,7 @@ from ._ops import sendrecv as sendrecv  # noqa: E402
 from ._ops import sum_replicated as sum_replicated  # noqa: E402
 from ._ops import use_replicated as use_replicated  # noqa: E402
 from ._composite import ordered_collective as ordered_collective  # noqa: E402
+from ._kernels import async_threshold as async_threshold  # noqa: E402
 from ._grid import ProcessGrid as ProcessGrid  # noqa: E402
 from . import fft as fft  # noqa: E402
 from ._devices import local_device as local_device  # noqa: E402

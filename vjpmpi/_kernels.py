@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -91,6 +92,56 @@ def _env_timeout() -> float:
     if not value > 0:
         raise ValueError(f"VJPMPI_TIMEOUT must be positive, got {raw!r}")
     return value
+
+
+def _env_async_bytes() -> int | None:
+    raw = os.environ.get("VJPMPI_ASYNC_BYTES", "").strip().lower()
+    if not raw:
+        return 1 << 16
+    if raw in ("off", "never"):
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"VJPMPI_ASYNC_BYTES must be a number of bytes or 'off', got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"VJPMPI_ASYNC_BYTES must not be negative, got {raw!r}")
+    return value
+
+
+def set_async_bytes(nbytes: int | None) -> None:
+    """A call that moves at least `nbytes` (its larger side, in or out; None: none) runs
+    its MPI call on the communicator's own thread while XLA runs the rest of the program
+    that does not wait for it; read by each call when it runs."""
+    global ASYNC_BYTES
+    ASYNC_BYTES = nbytes
+    cpu.set_async_bytes(-1 if nbytes is None else nbytes)
+
+
+ASYNC_BYTES: int | None = None
+set_async_bytes(_env_async_bytes())
+
+
+@contextlib.contextmanager
+def async_threshold(nbytes: int | None):
+    """Within the block, a call that moves at least `nbytes` (its larger side, in or
+    out; None: no call) runs asynchronously: on the CPU, its MPI call runs on the
+    communicator's own thread while XLA runs the rest of the program that does not wait
+    for its result. Results are the same either way; only where the time goes changes.
+    The setting applies to the calls that run inside the block, whenever their program
+    was compiled. The default is VJPMPI_ASYNC_BYTES (65536; "off": None), read at import.
+    """
+    if nbytes is not None and not (isinstance(nbytes, int) and not isinstance(nbytes, bool)
+                                   and nbytes >= 0):
+        raise ValueError("vjpmpi.async_threshold: `nbytes` must be an int >= 0 or None, "
+                         f"got {nbytes!r}")
+    before = ASYNC_BYTES
+    set_async_bytes(nbytes)
+    try:
+        yield
+    finally:
+        set_async_bytes(before)
 
 
 # Opt-in diagnostics, read once at import (see README, "When things go wrong").

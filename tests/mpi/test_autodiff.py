@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 import vjpmpi
 
-from helpers import WORLD, gdot, normal
+from helpers import WORLD, gdot, normal, send_recv_pair
 
 rank, size = WORLD.rank, WORLD.size
 nxt, prv = (rank + 1) % size, (rank - 1) % size
@@ -22,16 +22,6 @@ def shift_peers():
     """A non-periodic shift: the ends talk to MPI.PROC_NULL."""
     return (rank - 1 if rank > 0 else MPI.PROC_NULL,
             rank + 1 if rank + 1 < size else MPI.PROC_NULL)
-
-
-def _send_recv_pair(x):
-    # even ranks send to the next rank, odd ranks receive from the previous one
-    if rank % 2 == 0 and rank + 1 < size:
-        vjpmpi.send(x, rank + 1, tag=5)
-        return x * 2.0
-    if rank % 2 == 1:
-        return vjpmpi.recv(x, rank - 1, tag=5)
-    return x * 3.0
 
 
 def _linear_ops():
@@ -45,7 +35,7 @@ def _linear_ops():
         "exscan": (lambda v: vjpmpi.exscan(v, MPI.SUM), s),
         "sendrecv_ring": (lambda v: vjpmpi.sendrecv(v, v, prv, nxt, sendtag=1, recvtag=1), s),
         "sendrecv_shift": (lambda v: vjpmpi.sendrecv(v, v * 2, *shift_peers(), recvtag=0), s),
-        "send_recv": (_send_recv_pair, s),
+        "send_recv": (send_recv_pair, s),
     }
     for root in range(size):
         ops[f"reduce_root{root}"] = (lambda v, r=root: vjpmpi.reduce(v, MPI.SUM, r), s)

@@ -16,8 +16,10 @@
 // carries no data, it only orders the custom calls inside one XLA program.
 #pragma once
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <unordered_set>
 
 #include "nanobind/nanobind.h"
@@ -75,8 +77,8 @@ void SetDims(const ffi::AnyBuffer::Dimensions& d, size_t skip, const int64_t** d
   *ndim = d.size() > skip ? static_cast<int>(d.size() - skip) : 0;
 }
 
-ffi::Error Unsupported(const char* name) {
-  return ffi::Error::InvalidArgument(std::string("vjpmpi.") + name + ": unsupported dtype");
+std::string Unsupported(const char* name) {
+  return std::string("vjpmpi.") + name + ": unsupported dtype";
 }
 
 std::string SiteOf(int64_t site) {
@@ -90,56 +92,69 @@ void FillStatus(Runtime& rt, int64_t slot, const MPI_Status& st) {
   if (it != rt.statuses.end()) *it->second = st;  // (a dead MPI.Status has no slot)
 }
 
-// Everything a handler does around its MPI call: the communicator the program names
-// (alive, and for a collective this thread's), `prepare` (what needs the communicator,
-// such as its size), the guard (trace, counters, watchdog slot), the ranks' agreement on
-// a collective (vjpmpi_agree.h) or the opt-in point-to-point check, the memory policy's
-// staging before and after, and the receive status of a status slot.
-template <typename Mem, typename Prepare, typename Body>
-ffi::Error Run(Mem& mem, Call& c, const Attrs& a, bool collective, Prepare prepare, Body body) {
-  Runtime* rt = CurrentRuntime();
-  if (rt == nullptr) {  // only a module imported around vjpmpi/_kernels.py
-    return ffi::Error::Internal(std::string("vjpmpi.") + c.op +
-                                ": this backend's module is not attached to vjpmpi's runtime "
-                                "(import vjpmpi, which attaches it)");
-  }
-  CommEntry* ce = nullptr;
-  std::string e = CheckAlive(c.op);
-  if (e.empty()) e = Resolve(*rt, c, a.comm, collective, &ce);
-  struct Busy {  // (one collective at a time on a communicator, in this process)
-    std::atomic<bool>* flag = nullptr;
-    ~Busy() {
-      if (flag) flag->store(false, std::memory_order_release);
-    }
-  } busy;
-  if (e.empty() && collective) {
-    if (ce->busy.exchange(true, std::memory_order_acquire)) {
-      e = std::string("vjpmpi.") + c.op + ": " + BusyError(ce->id, ce->size);
+// What a handler returns: an error, or (where calls may run asynchronously) a future.
+template <bool Async>
+using Result = std::conditional_t<Async, ffi::Future, ffi::Error>;
+
+template <bool Async>
+Result<Async> Finish(const std::string& e) {
+  ffi::Error error = e.empty() ? ffi::Error::Success() : ffi::Error::Internal(e);
+  if constexpr (Async) {
+    ffi::Promise promise;
+    ffi::Future future(promise);
+    if (e.empty()) {
+      promise.SetAvailable();
     } else {
-      busy.flag = &ce->busy;
+      promise.SetError(std::move(error));
     }
+    return future;
+  } else {
+    return error;
   }
-  if (e.empty()) e = prepare();
-  if (!e.empty()) return ffi::Error::Internal(e);
+}
+
+// The part of a call that moves data, after Run has found its communicator: the guard
+// (trace, counters, watchdog slot), the ranks' agreement on a collective
+// (vjpmpi_agree.h) or the opt-in point-to-point check, the memory policy's staging
+// before and after, `body(mem, c)` (the MPI call) and the receive status of a status slot.
+// The ranks' agreement on a collective (vjpmpi_agree.h), on the calling thread (its
+// reads of the other ranks' windows stay on the thread that runs the program; the
+// guard, where there is one, does not count its wait).
+inline std::string AgreeStep(Runtime& rt, Call& c, const Attrs& a, CommEntry* ce, Guard* guard) {
+  c.site = a.site;
+  c.site_text = &SiteOf;
+  std::string invalid = a.invalid ? SiteText(rt, a.invalid) : std::string();
+  if (a.invalid && invalid.empty()) invalid = "an argument error (its text is not known here)";
+  std::string e = EnsureChannel(rt, *ce, c.op);
+  if (e.empty()) {
+    if (guard) guard->Pause();
+    e = Agree(rt, *ce, c, static_cast<uint64_t>(a.sig), a.run, invalid);
+    if (guard) guard->Resume();
+  }
+  return e;
+}
+
+inline bool Agreeing(Runtime& rt, bool collective) {
+  return collective && rt.agreement.load(std::memory_order_relaxed);
+}
+
+// (`agreed`: the agreement ran before, on the thread that posted this call)
+template <typename Mem, typename Body>
+std::string Tail(Runtime& rt, Mem& mem, Call& c, const Attrs& a, CommEntry* ce, bool collective,
+                 Body& body, bool agreed = false) {
+  std::string e;
   mem.Prepare(c);
-  Guard guard(*rt, c.op, a.site, c.comm);
+  Guard guard(rt, c.op, a.site, c.comm);
   c.site = a.site;
   c.site_text = &SiteOf;
   MPI_Status status{};
   if (a.status) c.status = &status;
-  if (collective && rt->agreement.load(std::memory_order_relaxed)) {
-    std::string invalid = a.invalid ? SiteText(*rt, a.invalid) : std::string();
-    if (a.invalid && invalid.empty()) invalid = "an argument error (its text is not known here)";
-    e = EnsureChannel(*rt, *ce, c.op);
-    if (e.empty()) {
-      guard.Pause();
-      e = Agree(*rt, *ce, c, static_cast<uint64_t>(a.sig), a.run, invalid);
-      guard.Resume();
-    }
+  if (Agreeing(rt, collective)) {
+    if (!agreed) e = AgreeStep(rt, c, a, ce, &guard);
   } else {
-    c.check_p2p = rt->check_enabled.load(std::memory_order_relaxed);
+    c.check_p2p = rt.check_enabled.load(std::memory_order_relaxed);
     if (a.invalid) {  // (its peers wait in point-to-point calls with it: they cannot be told)
-      std::string why = SiteText(*rt, a.invalid);
+      std::string why = SiteText(rt, a.invalid);
       if (why.empty()) why = std::string("vjpmpi.") + c.op + ": an argument error (its text is not known here)";
       if (!collective && ce->size > 1) {
         guard.Pause();
@@ -148,22 +163,82 @@ ffi::Error Run(Mem& mem, Call& c, const Attrs& a, bool collective, Prepare prepa
       e = why;
     }
   }
-  if (e.empty()) e = body();
+  if (e.empty()) e = body(mem, c);
   std::string end = mem.End();
   if (e.empty()) e = end;
-  if (a.status) FillStatus(*rt, a.status, status);
-  return e.empty() ? ffi::Error::Success() : ffi::Error::Internal(e);
+  if (a.status) FillStatus(rt, a.status, status);
+  return e;
+}
+
+// Everything a handler does around its MPI call: the communicator the program names
+// (alive, and for a collective this thread's), `prepare` (what needs the communicator,
+// such as its size), then Tail. `body` copies what it uses (raw pointers, not XLA's
+// buffer objects): where calls may run asynchronously (Async, host memory), a call that
+// moves at least AsyncBytes() (its larger side, in or out: `moved`) returns at once and
+// Tail runs on the communicator's thread (vjpmpi_async.h), which completes the future.
+template <bool Async, typename Mem, typename Prepare, typename Body>
+Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t moved,
+                  Prepare prepare, Body body) {
+  Runtime* rt = CurrentRuntime();
+  if (rt == nullptr) {  // only a module imported around vjpmpi/_kernels.py
+    return Finish<Async>(std::string("vjpmpi.") + c.op +
+                         ": this backend's module is not attached to vjpmpi's runtime "
+                         "(import vjpmpi, which attaches it)");
+  }
+  CommEntry* ce = nullptr;
+  std::string e = CheckAlive(c.op);
+  if (e.empty()) e = Resolve(*rt, c, a.comm, collective, &ce);
+  bool busy = false;  // (one collective at a time on a communicator, in this process)
+  if (e.empty() && collective) {
+    if (ce->busy.exchange(true, std::memory_order_acquire)) {
+      e = std::string("vjpmpi.") + c.op + ": " + BusyError(ce->id, ce->size);
+    } else {
+      busy = true;
+    }
+  }
+  if (e.empty()) e = prepare();
+  if (e.empty()) {
+    if constexpr (Async) {
+      const bool go = GoesAsync(moved);
+      // (the agreement here, not on the communicator's thread: there its one-sided
+      // reads left a later program's first collective waiting for ever in MPICH)
+      if (go && Agreeing(*rt, collective)) e = AgreeStep(*rt, c, a, ce, nullptr);
+      if (go && e.empty()) {
+        rt->async_calls.fetch_add(1, std::memory_order_relaxed);
+        ffi::Promise promise;
+        ffi::Future future(promise);
+        // (the dimensions live in XLA's call frame, which ends when this returns)
+        std::vector<int64_t> dims(c.dims, c.dims + c.ndim), dims2(c.dims2, c.dims2 + c.ndim2);
+        PostOn(ce->id, [rt, mem, c, a, ce, collective, busy, body, promise,
+                        dims = std::move(dims), dims2 = std::move(dims2)]() mutable {
+          c.dims = dims.data();
+          c.dims2 = dims2.data();
+          std::string e = Tail(*rt, mem, c, a, ce, collective, body, true);
+          if (busy) ce->busy.store(false, std::memory_order_release);
+          if (e.empty()) {
+            promise.SetAvailable();
+          } else {
+            promise.SetError(ffi::Error::Internal(e));
+          }
+        });
+        return future;
+      }
+    }
+    if (e.empty()) e = Tail(*rt, mem, c, a, ce, collective, body);
+  }
+  if (busy) ce->busy.store(false, std::memory_order_release);
+  return Finish<Async>(e);
 }
 
 inline std::string Ok() { return {}; }
 
 // (x, token) -> (y, token): every collective with one array in and one out.
-template <Impl F, Count N, int Uses, typename Mem>
-ffi::Error Unary(Mem mem, const char* name, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                 const Attrs& a) {
+template <bool Async, Impl F, Count N, int Uses, typename Mem>
+Result<Async> Unary(Mem mem, const char* name, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                    const Attrs& a) {
   Call c = MakeCall(name, a, Uses);
   c.kind = KindOf(x.element_type());
-  if (c.kind == Kind::kUnsupported) return Unsupported(name);
+  if (c.kind == Kind::kUnsupported) return Finish<Async>(Unsupported(name));
   c.host_op = F == OthersProduct;  // multiplies on the host
   auto xd = x.dimensions();
   auto yd = y->dimensions();
@@ -173,7 +248,10 @@ ffi::Error Unary(Mem mem, const char* name, ffi::AnyBuffer x, ffi::Result<ffi::A
     SetDims(xd, N == Count::kInPerRank ? 1 : 0, &c.dims, &c.ndim);
   }
   SetDims(yd, 0, &c.dims2, &c.ndim2);  // (a receive's template)
-  return Run(mem, c, a, F != Recv, [&] {
+  const void* xp = x.untyped_data();
+  void* yp = y->untyped_data();
+  size_t xb = x.size_bytes(), yb = y->size_bytes();
+  return Run<Async>(mem, c, a, F != Recv, std::max(xb, yb), [&] {
     if (N == Count::kIn) {
       c.count = x.element_count();
     } else if (N == Count::kOut) {
@@ -185,79 +263,89 @@ ffi::Error Unary(Mem mem, const char* name, ffi::AnyBuffer x, ffi::Result<ffi::A
     }
     c.count2 = c.count;
     return Ok();
-  }, [&] {
-    const void* in = mem.In(x.untyped_data(), x.size_bytes());
-    void* out = mem.Out(y->untyped_data(), y->size_bytes());
+  }, [=](Mem& mem, const Call& c) {
+    const void* in = mem.In(xp, xb);
+    void* out = mem.Out(yp, yb);
     std::string e = mem.Begin();
     return e.empty() ? F(c, in, out) : e;
   });
 }
 
 // (x, token) -> token
-template <typename Mem>
-ffi::Error SendH(Mem mem, ffi::AnyBuffer x, const Attrs& a) {
+template <bool Async, typename Mem>
+Result<Async> SendH(Mem mem, ffi::AnyBuffer x, const Attrs& a) {
   Call c = MakeCall("send", a, 0);
   c.kind = KindOf(x.element_type());
-  if (c.kind == Kind::kUnsupported) return Unsupported("send");
+  if (c.kind == Kind::kUnsupported) return Finish<Async>(Unsupported("send"));
   c.count = c.count2 = x.element_count();
   SetDims(x.dimensions(), 0, &c.dims, &c.ndim);
-  return Run(mem, c, a, false, Ok, [&] {
-    const void* in = mem.In(x.untyped_data(), x.size_bytes());
+  const void* xp = x.untyped_data();
+  size_t xb = x.size_bytes();
+  return Run<Async>(mem, c, a, false, xb, Ok, [=](Mem& mem, const Call& c) {
+    const void* in = mem.In(xp, xb);
     std::string e = mem.Begin();
     return e.empty() ? Send(c, in, nullptr) : e;
   });
 }
 
 // (x, recv template, token) -> (y, token); y aliases the template.
-template <typename Mem>
-ffi::Error SendrecvH(Mem mem, ffi::AnyBuffer x, ffi::AnyBuffer tmpl,
-                     ffi::Result<ffi::AnyBuffer> y, const Attrs& a) {
+template <bool Async, typename Mem>
+Result<Async> SendrecvH(Mem mem, ffi::AnyBuffer x, ffi::AnyBuffer tmpl,
+                        ffi::Result<ffi::AnyBuffer> y, const Attrs& a) {
   Call c = MakeCall("sendrecv", a, 0);
   c.kind = KindOf(x.element_type());
   if (c.kind == Kind::kUnsupported || KindOf(y->element_type()) != c.kind) {
-    return Unsupported("sendrecv");
+    return Finish<Async>(Unsupported("sendrecv"));
   }
   c.count = x.element_count();
   c.count2 = y->element_count();
   SetDims(x.dimensions(), 0, &c.dims, &c.ndim);
   SetDims(y->dimensions(), 0, &c.dims2, &c.ndim2);
-  return Run(mem, c, a, false, Ok, [&] {
-    const void* in = mem.In(x.untyped_data(), x.size_bytes());
-    mem.In(tmpl.untyped_data(), tmpl.size_bytes());  // unreceived elements keep it
-    void* out = mem.Out(y->untyped_data(), y->size_bytes());
+  const void* xp = x.untyped_data();
+  const void* tp = tmpl.untyped_data();
+  void* yp = y->untyped_data();
+  size_t xb = x.size_bytes(), tb = tmpl.size_bytes(), yb = y->size_bytes();
+  return Run<Async>(mem, c, a, false, std::max(xb, yb), Ok, [=](Mem& mem, const Call& c) {
+    const void* in = mem.In(xp, xb);
+    mem.In(tp, tb);  // unreceived elements keep it
+    void* out = mem.Out(yp, yb);
     std::string e = mem.Begin();
     return e.empty() ? Sendrecv(c, in, out) : e;
   });
 }
 
 // (a, b, token) -> (e, token): the linear recurrence scan; e may alias b.
-template <typename Mem>
-ffi::Error RecurrenceH(Mem mem, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> y,
-                       const Attrs& attrs) {
+template <bool Async, typename Mem>
+Result<Async> RecurrenceH(Mem mem, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                          ffi::Result<ffi::AnyBuffer> y, const Attrs& attrs) {
   Call c = MakeCall("recurrence", attrs, 0);
   c.kind = KindOf(b.element_type());
   if (AffinePair(c.kind).op == MPI_OP_NULL || KindOf(a.element_type()) != c.kind ||
       a.element_count() != b.element_count()) {
-    return Unsupported("recurrence");
+    return Finish<Async>(Unsupported("recurrence"));
   }
   c.count = c.count2 = b.element_count();
   c.host_op = true;
   SetDims(b.dimensions(), 0, &c.dims, &c.ndim);
-  return Run(mem, c, attrs, true, Ok, [&] {
-    const void* pa = mem.In(a.untyped_data(), a.size_bytes());
-    const void* pb = mem.In(b.untyped_data(), b.size_bytes());
-    void* out = mem.Out(y->untyped_data(), y->size_bytes());
+  const void* ap = a.untyped_data();
+  const void* bp = b.untyped_data();
+  void* yp = y->untyped_data();
+  size_t ab = a.size_bytes(), bb = b.size_bytes(), yb = y->size_bytes();
+  return Run<Async>(mem, c, attrs, true, std::max({ab, bb, yb}), Ok, [=](Mem& mem, const Call& c) {
+    const void* pa = mem.In(ap, ab);
+    const void* pb = mem.In(bp, bb);
+    void* out = mem.Out(yp, yb);
     std::string e = mem.Begin();
     return e.empty() ? Recurrence(c, pa, pb, out) : e;
   });
 }
 
 // token -> token
-template <typename Mem>
-ffi::Error BarrierH(Mem mem, const Attrs& a) {
+template <bool Async, typename Mem>
+Result<Async> BarrierH(Mem mem, const Attrs& a) {
   Call c = MakeCall("barrier", a, 0);
   c.kind = Kind::kU8;
-  return Run(mem, c, a, true, Ok, [&] {
+  return Run<Async>(mem, c, a, true, 0, Ok, [=](Mem& mem, const Call& c) {
     std::string e = mem.Begin();
     return e.empty() ? Barrier(c, nullptr, nullptr) : e;
   });
@@ -287,76 +375,91 @@ ffi::Error BarrierH(Mem mem, const Attrs& a) {
 #define VJPMPI_BIND ffi::Ffi::Bind() VJPMPI_CTX_BIND.Ctx<ffi::RunId>()
 #define VJPMPI_PARAMS_FIRST VJPMPI_CTX_PARAMS_FIRST ffi::RunId run,
 
+// A backend that defines VJPMPI_HOST_ASYNC (the CPU) has handlers that return a future
+// and run a large call on the communicator's thread (vjpmpi_async.h); the others return
+// when their MPI call has.
+#ifdef VJPMPI_HOST_ASYNC
+constexpr bool kHostAsync = true;
+#else
+constexpr bool kHostAsync = false;
+#endif
+#define VJPMPI_DEFINE(Symbol, Impl, ...) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Symbol, Impl<kHostAsync>, __VA_ARGS__)
+
 #define VJPMPI_UNARY(Symbol, name, F, N, Uses)                                            \
-  ffi::Error Symbol##Impl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token,               \
-                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,          \
-                          VJPMPI_ATTR_PARAMS) {                                            \
-    return Unary<F, N, Uses>(VJPMPI_MEM, name, x, y, VJPMPI_ATTRS_OF);                     \
+  template <bool Async>                                                                    \
+  Result<Async> Symbol##Impl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token,            \
+                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,       \
+                             VJPMPI_ATTR_PARAMS) {                                         \
+    return Unary<Async, F, N, Uses>(VJPMPI_MEM, name, x, y, VJPMPI_ATTRS_OF);              \
   }                                                                                        \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(Symbol, Symbol##Impl,                                      \
-                                VJPMPI_BIND                                                \
-                                    .Arg<ffi::AnyBuffer>() /* x */                         \
-                                    .Arg<ffi::Token>()     /* ordering token */            \
-                                    .Ret<ffi::AnyBuffer>() /* y */                         \
-                                    .Ret<ffi::Token>()     /* ordering token */            \
-                                        VJPMPI_ATTRS);
+  VJPMPI_DEFINE(Symbol, Symbol##Impl,                                                 \
+                     VJPMPI_BIND                                                           \
+                         .Arg<ffi::AnyBuffer>() /* x */                                    \
+                         .Arg<ffi::Token>()     /* ordering token */                       \
+                         .Ret<ffi::AnyBuffer>() /* y */                                    \
+                         .Ret<ffi::Token>()     /* ordering token */                       \
+                             VJPMPI_ATTRS)
 
 constexpr int kRed = kUsesRed, kRoot = kUsesRoot;
-VJPMPI_UNARY(kAllreduce, "allreduce", Allreduce, Count::kIn, kRed)
-VJPMPI_UNARY(kReduce, "reduce", Reduce, Count::kIn, kRed | kRoot)
-VJPMPI_UNARY(kBcast, "bcast", Bcast, Count::kIn, kRoot)
-VJPMPI_UNARY(kAllgather, "allgather", Allgather, Count::kIn, 0)
-VJPMPI_UNARY(kGather, "gather", Gather, Count::kIn, kRoot)
-VJPMPI_UNARY(kScatter, "scatter", Scatter, Count::kOut, kRoot)
-VJPMPI_UNARY(kAlltoall, "alltoall", Alltoall, Count::kInPerRank, 0)
-VJPMPI_UNARY(kReduceScatter, "reduce_scatter", ReduceScatter, Count::kOut, kRed)
-VJPMPI_UNARY(kScan, "scan", Scan, Count::kIn, kRed)
-VJPMPI_UNARY(kExscan, "exscan", Exscan, Count::kIn, kRed)
-VJPMPI_UNARY(kOthersProduct, "others_product", OthersProduct, Count::kIn, 0)
-VJPMPI_UNARY(kRecv, "recv", Recv, Count::kOut, 0)
-VJPMPI_UNARY(kAgree, "agree", AgreeOnly, Count::kIn, 0)
+VJPMPI_UNARY(kAllreduce, "allreduce", Allreduce, Count::kIn, kRed);
+VJPMPI_UNARY(kReduce, "reduce", Reduce, Count::kIn, kRed | kRoot);
+VJPMPI_UNARY(kBcast, "bcast", Bcast, Count::kIn, kRoot);
+VJPMPI_UNARY(kAllgather, "allgather", Allgather, Count::kIn, 0);
+VJPMPI_UNARY(kGather, "gather", Gather, Count::kIn, kRoot);
+VJPMPI_UNARY(kScatter, "scatter", Scatter, Count::kOut, kRoot);
+VJPMPI_UNARY(kAlltoall, "alltoall", Alltoall, Count::kInPerRank, 0);
+VJPMPI_UNARY(kReduceScatter, "reduce_scatter", ReduceScatter, Count::kOut, kRed);
+VJPMPI_UNARY(kScan, "scan", Scan, Count::kIn, kRed);
+VJPMPI_UNARY(kExscan, "exscan", Exscan, Count::kIn, kRed);
+VJPMPI_UNARY(kOthersProduct, "others_product", OthersProduct, Count::kIn, 0);
+VJPMPI_UNARY(kRecv, "recv", Recv, Count::kOut, 0);
+VJPMPI_UNARY(kAgree, "agree", AgreeOnly, Count::kIn, 0);
 
-ffi::Error SendImpl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::Token>,
-                    VJPMPI_ATTR_PARAMS) {
-  return SendH(VJPMPI_MEM, x, VJPMPI_ATTRS_OF);
+template <bool Async>
+Result<Async> SendImpl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::Token>,
+                       VJPMPI_ATTR_PARAMS) {
+  return SendH<Async>(VJPMPI_MEM, x, VJPMPI_ATTRS_OF);
 }
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kSend, SendImpl,
-                              VJPMPI_BIND
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::Token>()      // ordering token
-                                  .Ret<ffi::Token>()      // ordering token
-                                      VJPMPI_ATTRS);
+VJPMPI_DEFINE(kSend, SendImpl,
+                   VJPMPI_BIND
+                       .Arg<ffi::AnyBuffer>()  // x
+                       .Arg<ffi::Token>()      // ordering token
+                       .Ret<ffi::Token>()      // ordering token
+                           VJPMPI_ATTRS);
 
 // Two arrays in, one out (which may alias the second): sendrecv, the recurrence.
 #define VJPMPI_BINARY(Symbol, Handler)                                                       \
-  ffi::Error Symbol##Impl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer a, ffi::AnyBuffer b,           \
-                          ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, \
-                          VJPMPI_ATTR_PARAMS) {                                              \
-    return Handler(VJPMPI_MEM, a, b, y, VJPMPI_ATTRS_OF);                                    \
+  template <bool Async>                                                                      \
+  Result<Async> Symbol##Impl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer a, ffi::AnyBuffer b,        \
+                             ffi::Token, ffi::Result<ffi::AnyBuffer> y,                      \
+                             ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS) {                  \
+    return Handler<Async>(VJPMPI_MEM, a, b, y, VJPMPI_ATTRS_OF);                             \
   }                                                                                          \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(Symbol, Symbol##Impl,                                        \
-                                VJPMPI_BIND                                                  \
-                                    .Arg<ffi::AnyBuffer>() /* a */                           \
-                                    .Arg<ffi::AnyBuffer>() /* b */                           \
-                                    .Arg<ffi::Token>()     /* ordering token */              \
-                                    .Ret<ffi::AnyBuffer>() /* y */                           \
-                                    .Ret<ffi::Token>()     /* ordering token */              \
-                                        VJPMPI_ATTRS);
+  VJPMPI_DEFINE(Symbol, Symbol##Impl,                                                   \
+                     VJPMPI_BIND                                                             \
+                         .Arg<ffi::AnyBuffer>() /* a */                                      \
+                         .Arg<ffi::AnyBuffer>() /* b */                                      \
+                         .Arg<ffi::Token>()     /* ordering token */                         \
+                         .Ret<ffi::AnyBuffer>() /* y */                                      \
+                         .Ret<ffi::Token>()     /* ordering token */                         \
+                             VJPMPI_ATTRS)
 
 // sendrecv: a is sent to peer; y, received from peer2, aliases b (the receive template)
-VJPMPI_BINARY(kSendrecv, SendrecvH)
+VJPMPI_BINARY(kSendrecv, SendrecvH);
 // recurrence: a, the coefficients, and b, the inputs; y may alias b
-VJPMPI_BINARY(kRecurrence, RecurrenceH)
+VJPMPI_BINARY(kRecurrence, RecurrenceH);
 
-ffi::Error BarrierImpl(VJPMPI_PARAMS_FIRST ffi::Token, ffi::Result<ffi::Token>,
-                       VJPMPI_ATTR_PARAMS) {
-  return BarrierH(VJPMPI_MEM, VJPMPI_ATTRS_OF);
+template <bool Async>
+Result<Async> BarrierImpl(VJPMPI_PARAMS_FIRST ffi::Token, ffi::Result<ffi::Token>,
+                          VJPMPI_ATTR_PARAMS) {
+  return BarrierH<Async>(VJPMPI_MEM, VJPMPI_ATTRS_OF);
 }
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kBarrier, BarrierImpl,
-                              VJPMPI_BIND
-                                  .Arg<ffi::Token>()  // ordering token
-                                  .Ret<ffi::Token>()  // ordering token
-                                      VJPMPI_ATTRS);
+VJPMPI_DEFINE(kBarrier, BarrierImpl,
+                   VJPMPI_BIND
+                       .Arg<ffi::Token>()  // ordering token
+                       .Ret<ffi::Token>()  // ordering token
+                           VJPMPI_ATTRS);
 
 template <typename T>
 nb::capsule Capsule(T* fn) {
@@ -397,23 +500,25 @@ const char* Intern(const std::string& name) {
 void DefineCommon(nb::module_& m) {
   m.def("registrations", []() {
     nb::dict d;
-    d["allreduce"] = Capsule(kAllreduce);
-    d["reduce"] = Capsule(kReduce);
-    d["bcast"] = Capsule(kBcast);
-    d["allgather"] = Capsule(kAllgather);
-    d["gather"] = Capsule(kGather);
-    d["scatter"] = Capsule(kScatter);
-    d["alltoall"] = Capsule(kAlltoall);
-    d["reduce_scatter"] = Capsule(kReduceScatter);
-    d["scan"] = Capsule(kScan);
-    d["exscan"] = Capsule(kExscan);
-    d["send"] = Capsule(kSend);
-    d["recv"] = Capsule(kRecv);
-    d["sendrecv"] = Capsule(kSendrecv);
-    d["barrier"] = Capsule(kBarrier);
-    d["agree"] = Capsule(kAgree);
-    d["recurrence"] = Capsule(kRecurrence);
-    d["others_product"] = Capsule(kOthersProduct);
+#define VJPMPI_REGISTER(name, Symbol) d[name] = Capsule(Symbol);
+    VJPMPI_REGISTER("allreduce", kAllreduce)
+    VJPMPI_REGISTER("reduce", kReduce)
+    VJPMPI_REGISTER("bcast", kBcast)
+    VJPMPI_REGISTER("allgather", kAllgather)
+    VJPMPI_REGISTER("gather", kGather)
+    VJPMPI_REGISTER("scatter", kScatter)
+    VJPMPI_REGISTER("alltoall", kAlltoall)
+    VJPMPI_REGISTER("reduce_scatter", kReduceScatter)
+    VJPMPI_REGISTER("scan", kScan)
+    VJPMPI_REGISTER("exscan", kExscan)
+    VJPMPI_REGISTER("send", kSend)
+    VJPMPI_REGISTER("recv", kRecv)
+    VJPMPI_REGISTER("sendrecv", kSendrecv)
+    VJPMPI_REGISTER("barrier", kBarrier)
+    VJPMPI_REGISTER("agree", kAgree)
+    VJPMPI_REGISTER("recurrence", kRecurrence)
+    VJPMPI_REGISTER("others_product", kOthersProduct)
+#undef VJPMPI_REGISTER
     return d;
   });
   // The MPI library these kernels resolved at load time (checked at import
@@ -522,6 +627,13 @@ void DefineRuntime(nb::module_& m) {
     return out;
   });
   // (kernel calls, calls that overlapped another running vjpmpi kernel), every backend's
+  // vjpmpi calls running now (guarded, in any thread), for the tests of overlap
+  m.def("_in_flight", []() { return owned_runtime.in_flight.load(); });
+  m.def("_async_calls", []() { return owned_runtime.async_calls.load(); });
+  // the smallest call (bytes, its larger side) that runs on the communicator's thread;
+  // -1: none (vjpmpi.async_threshold, VJPMPI_ASYNC_BYTES)
+  m.def("set_async_bytes", [](int64_t n) { AsyncBytes().store(n); });
+  m.def("async_bytes", []() { return AsyncBytes().load(); });
   m.def("call_counts", []() {
     return nb::make_tuple(owned_runtime.calls.load(), owned_runtime.overlaps.load());
   });

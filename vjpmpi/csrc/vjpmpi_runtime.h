@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "vjpmpi_async.h"
 #include "vjpmpi_agree.h"
 #include "vjpmpi_mpi.h"
 
@@ -58,6 +59,7 @@ struct Runtime {
   std::atomic<int64_t> in_flight{0};
   std::atomic<int64_t> overlaps{0};
   std::atomic<int64_t> calls{0};
+  std::atomic<int64_t> async_calls{0};  // calls run on a communicator's thread
   // Collectives whose ranks were compared before they ran (first runs of programs,
   // every collective under VJPMPI_CHECK): what the agreement costs, for the tests.
   std::atomic<int64_t> verified{0};
@@ -241,6 +243,7 @@ inline int FreedComm(MPI_Comm, int, void* value, void*) {
   if (e == nullptr) return MPI_SUCCESS;
   e->comm.store(MPI_COMM_NULL, std::memory_order_release);
   CloseChannel(*rt, *e);
+  StopCommThread(e->id);
   return MPI_SUCCESS;
 }
 

@@ -6,6 +6,7 @@ from ._linear import ColumnParallelLinear as ColumnParallelLinear
 from ._linear import RowParallelLinear as RowParallelLinear
 from ._mlp import ParallelMLP as ParallelMLP
 from ._mlp import allreduce_gradients as allreduce_gradients
+from ._mlp import sync_gradients as sync_gradients
 from ._halo import HaloConv as HaloConv
 from ._halo import HaloExchange as HaloExchange
 from ._loss import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy

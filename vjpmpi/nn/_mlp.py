@@ -140,18 +140,98 @@ class ParallelMLP(eqx.Module):
         return x
 
 
-def allreduce_gradients(grads: PyTree, *, mean: bool = True, comm=None) -> PyTree:
+def _bucket_bytes(value, op: str) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    raise ValueError(f"vjpmpi.nn.{op}: `bucket_bytes` must be a positive int or None, "
+                     f"got {value!r}")
+
+
+def _buckets(leaves, groups, cap: int | None) -> list[list[int]]:
+    """The inexact leaves (`groups`: positions by dtype) in buckets of one dtype, each a
+    run of at most `cap` bytes cut from the group's last leaf back (a larger leaf is a
+    bucket of its own; None: one per dtype), the bucket holding the last leaf first:
+    the order a backward pass produces the gradients of parameters used in tree order."""
+    out: list[list[int]] = []
+    for idx in groups.values():
+        run: list[int] = []
+        size = 0
+        for i in reversed(idx):
+            n = leaves[i].size * leaves[i].dtype.itemsize
+            if run and cap is not None and size + n > cap:
+                out.append(run[::-1])
+                run, size = [], 0
+            run.append(i)
+            size += n
+        out.append(run[::-1])
+    return sorted(out, key=lambda bucket: -bucket[-1])
+
+
+def allreduce_gradients(grads: PyTree, *, mean: bool = True, bucket_bytes: int | None = None,
+                        comm=None) -> PyTree:
     """All-reduce (mean or sum) every inexact-array leaf of `grads` over `comm`.
 
     Leaves of one dtype are flattened into one buffer, so a pytree of any number of
-    leaves costs one MPI call per dtype. Non-array leaves pass through unchanged.
+    leaves costs one MPI call per dtype; with `bucket_bytes`, one call per run of at
+    most that many bytes, the last leaves first (inside a jitted step, each starts as
+    soon as the backward pass has produced its leaves: see `sync_gradients`). The
+    result is the same bit for bit either way (where MPI's sum does not depend on the
+    message size: tests/mpi/test_async.py checks it at 1-4 ranks). Non-array leaves pass through unchanged.
     Works on gradients from `eqx.filter_grad` and as a step before `optax` updates.
     Transpose: allreduce(SUM) (scaled by 1/size for the mean).
     """
     ref = as_comm(comm, "nn.allreduce_gradients")
+    cap = _bucket_bytes(bucket_bytes, "allreduce_gradients")
     leaves, treedef, groups = dtype_groups(grads)
     out = list(leaves)
-    for idx in groups.values():
-        total = allreduce(concat(leaves, idx), RED_NAMES[SUM], comm=ref.comm)
-        split_into(out, leaves, idx, total / ref.size if mean else total)
+    for bucket in _buckets(leaves, groups, cap):
+        total = allreduce(concat(leaves, bucket), RED_NAMES[SUM], comm=ref.comm)
+        split_into(out, leaves, bucket, total / ref.size if mean else total)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _bucket_sync(comm, size: int, mean: bool):
+    """The identity, whose derivative all-reduces the cotangent (then / size for the mean)."""
+
+    @jax.custom_vjp
+    def sync(flat):
+        return flat
+
+    def fwd(flat):
+        return flat, None
+
+    def bwd(_, ct):
+        total = allreduce(ct, RED_NAMES[SUM], comm=comm)
+        return (total / size if mean else total,)
+
+    sync.defvjp(fwd, bwd)
+    return sync
+
+
+def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None = 25 << 20,
+                   comm=None) -> PyTree:
+    """`model` unchanged, whose gradient comes back all-reduced over `comm` (mean or sum),
+    bucket by bucket inside the backward pass: data-parallel training whose gradient sync
+    overlaps the rest of the backward pass (as PyTorch DDP's `bucket_cap_mb`).
+
+    Apply it inside the loss, to the parameters: ``loss(sync_gradients(model), x, y)``.
+    The inexact-array leaves of each dtype are cut, from the last leaf back (the order
+    a backward pass produces the gradients of layers applied in tree order), into
+    buckets of at most `bucket_bytes` (a larger leaf is a bucket of its own; None: one
+    per dtype). Each bucket is one allreduce, issued as soon as the backward pass has
+    produced its gradients, in the same order on every rank; one of at least
+    VJPMPI_ASYNC_BYTES runs on the communicator's thread while the backward pass goes
+    on. The gradient equals `allreduce_gradients` of the local gradient, bit for bit.
+    Shape: the identity on the pytree.
+    Transpose: allreduce(SUM) of each bucket's cotangent (scaled by 1/size for the mean).
+    """
+    ref = as_comm(comm, "nn.sync_gradients")
+    cap = _bucket_bytes(bucket_bytes, "sync_gradients")
+    leaves, treedef, groups = dtype_groups(model)
+    out = list(leaves)
+    sync = _bucket_sync(ref.comm, ref.size, mean)
+    # applied in reverse: the backward pass runs the transposes in reverse, so it
+    # reduces the bucket of the last leaf first, in allreduce_gradients' order
+    for bucket in reversed(_buckets(leaves, groups, cap)):
+        split_into(out, leaves, bucket, sync(concat(leaves, bucket)))
     return jax.tree_util.tree_unflatten(treedef, out)

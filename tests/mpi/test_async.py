@@ -1,0 +1,385 @@
+"""Asynchronous collectives (a call that moves at least the threshold's bytes runs its
+MPI call on the communicator's thread while XLA runs what does not wait for it) and
+the bucketed gradient sync of `vjpmpi.nn` that uses them.
+
+- Every op, forward, reverse (vjp) and under vmap (batched on axis 0 on even ranks, on
+  the last axis on odd ones), on rank-dependent float64 data: the program run with
+  every call asynchronous gives the same bits as the same program run with none.
+- The threshold decides which calls run on the communicator's thread (counted).
+- What XLA compiles: an independent computation is scheduled between a call and the
+  first use of its result.
+- At run time: computation that does not depend on a message runs while it is in
+  flight (a probe sees the call running on the communicator's thread).
+- `sync_gradients` and bucketed `allreduce_gradients` equal `allreduce_gradients` bit
+  for bit, one allreduce per bucket, the bucket of the last leaves first.
+
+(The 3-rank job of tests/test_multirank.py runs the whole suite, the program-order
+suite included, with every call that moves data asynchronous: VJPMPI_ASYNC_BYTES=0.)
+"""
+
+import re
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import vjpmpi
+import vjpmpi.nn
+from helpers import WORLD, compiled, rng, send_recv_pair
+from hlo_order import _ancestors, assert_ordered, parse
+from vjpmpi import _kernels
+
+rank, size = WORLD.rank, WORLD.size
+nxt, prv = (rank + 1) % size, (rank - 1) % size
+last = size - 1  # a root that is not rank 0 where there are two ranks or more
+needs2 = pytest.mark.skipif(size < 2, reason="needs at least 2 ranks")
+
+
+S = (6, 5)
+# name: (function of this rank's input, this rank's input shape)
+OPS = {
+    "allreduce_sum": (lambda v: vjpmpi.allreduce(v, MPI.SUM), S),
+    "allreduce_max": (lambda v: vjpmpi.allreduce(v, MPI.MAX), S),
+    "allreduce_prod": (lambda v: vjpmpi.allreduce(v, MPI.PROD), S),
+    "reduce": (lambda v: vjpmpi.reduce(v, MPI.SUM, last), S),
+    "bcast": (lambda v: vjpmpi.bcast(v, last), S),
+    "allgather": (vjpmpi.allgather, S),
+    "gather": (lambda v: vjpmpi.gather(v, last), S),
+    "scatter": (lambda v: vjpmpi.scatter(v, last), (size, 5) if rank == last else (5,)),
+    "alltoall": (vjpmpi.alltoall, (size, 5)),
+    "reduce_scatter": (lambda v: vjpmpi.reduce_scatter(v, MPI.SUM), (size, 5)),
+    "scan": (lambda v: vjpmpi.scan(v, MPI.SUM), S),
+    "exscan": (lambda v: vjpmpi.exscan(v, MPI.SUM), S),
+    "sendrecv": (lambda v: vjpmpi.sendrecv(v, v * 2, prv, nxt, sendtag=1, recvtag=1), S),
+    "send_recv": (send_recv_pair, S),
+}
+BATCH = 3
+BATCH_AXIS = 0 if rank % 2 == 0 else -1  # rank-dependent batching
+
+
+def _inputs():
+    out = {}
+    for i, (name, (fn, shape)) in enumerate(OPS.items()):
+        x = rng(i).standard_normal(shape)
+        y_shape = jax.eval_shape(fn, jax.ShapeDtypeStruct(shape, np.float64)).shape
+        ct = rng(100 + i).standard_normal(y_shape)
+        xb = np.stack([rng(200 + 7 * i + b).standard_normal(shape) for b in range(BATCH)],
+                      axis=BATCH_AXIS)
+        out[name] = (x, ct, xb)
+    return out
+
+
+def _every_op(inputs):
+    out = {}
+    for name, (x, ct, xb) in inputs.items():
+        fn = OPS[name][0]
+        y, pull = jax.vjp(fn, x)
+        (g,) = pull(ct)
+        yb = jax.vmap(fn, in_axes=BATCH_AXIS, out_axes=0)(xb)
+        out[name] = (y, g, yb)
+    return out
+
+
+def _program(threshold):
+    """The program of every op run with `threshold` (None: every call synchronous): its
+    results on this rank's inputs, its HLO text and the calls that ran asynchronously."""
+    inputs = _inputs()
+    exe = compiled((__name__, "every_op"), _every_op, inputs)
+    before = _kernels.cpu._async_calls()
+    with vjpmpi.async_threshold(threshold):
+        out = jax.tree_util.tree_map(np.asarray, exe(inputs))
+    return out, exe.as_text(), _kernels.cpu._async_calls() - before
+
+
+_RESULTS = {}
+
+
+def _results(threshold):
+    if threshold not in _RESULTS:
+        _RESULTS[threshold] = _program(threshold)
+    return _RESULTS[threshold]
+
+
+def _calls(text):
+    comps, _ = parse(text)
+    return [i for instrs in comps.values() for i in instrs if i.target is not None]
+
+
+def test_threshold_decides_where_calls_run():
+    """Threshold 0: every call of the program (each runs once) on the communicator's
+    thread; None: none."""
+    calls = _calls(_results(0)[1])
+    assert len(calls) > 2 * len(OPS) - 2
+    assert_ordered(_results(0)[1])
+    assert _results(0)[2] == len(calls)
+    assert _results(None)[2] == 0
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_same_bits_as_synchronous(name):
+    got, want = _results(0)[0][name], _results(None)[0][name]
+    for what, a, b in zip(("result", "vjp", "vmap"), got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape)
+        assert a.tobytes() == b.tobytes(), (
+            f"{name} {what}: asynchronous differs from synchronous by up to "
+            f"{np.max(np.abs(a - b))}")
+    # and it is the op's result: the sum over ranks of allreduce_sum, for one
+    if name == "allreduce_sum":
+        np.testing.assert_allclose(got[0], WORLD.allreduce(_inputs()[name][0]), rtol=1e-12)
+
+
+def test_threshold_counts_the_larger_side():
+    """A call is asynchronous when its larger side, in or out, reaches the threshold."""
+    x = jnp.zeros((4,), jnp.float32)  # 16 bytes in, 16 * size out
+
+    exe = compiled((__name__, "allgather16"), vjpmpi.allgather, x)
+
+    def went_async(threshold):
+        before = _kernels.cpu._async_calls()
+        with vjpmpi.async_threshold(threshold):
+            np.testing.assert_array_equal(np.asarray(exe(x)), np.zeros((size, 4)))
+        return _kernels.cpu._async_calls() - before
+
+    assert went_async(16 * size) == 1
+    assert went_async(16 * size + 1) == 0
+    assert went_async(None) == 0
+
+
+def test_threshold_arguments(monkeypatch):
+    for bad in (-1, 1.5, "64"):
+        with pytest.raises(ValueError, match=r"vjpmpi.async_threshold: `nbytes`"):
+            with vjpmpi.async_threshold(bad):
+                pass
+    before = _kernels.ASYNC_BYTES
+    with vjpmpi.async_threshold(7):
+        assert _kernels.ASYNC_BYTES == 7 and _kernels.cpu.async_bytes() == 7
+        with vjpmpi.async_threshold(None):
+            assert _kernels.cpu.async_bytes() == -1
+        assert _kernels.cpu.async_bytes() == 7
+    assert _kernels.ASYNC_BYTES == before
+    for raw, value in (("", 1 << 16), ("0", 0), (" 4096 ", 4096), ("off", None),
+                       ("OFF", None), ("never", None)):
+        monkeypatch.setenv("VJPMPI_ASYNC_BYTES", raw)
+        assert _kernels._env_async_bytes() == value, raw
+    for raw in ("-1", "64k", "yes"):
+        monkeypatch.setenv("VJPMPI_ASYNC_BYTES", raw)
+        with pytest.raises(ValueError, match="VJPMPI_ASYNC_BYTES"):
+            _kernels._env_async_bytes()
+
+
+# ------------------------------------------------------ compute meets message --
+def _dots(y, n):
+    outs = []
+    for _ in range(n):
+        y = jnp.sin(y @ y)
+        outs.append(y)
+    return outs
+
+
+def test_compiled_schedule_puts_compute_inside_the_call():
+    """XLA's schedule: between the allreduce and the first instruction that uses its
+    result come instructions that do not depend on it (run asynchronously, the
+    executor runs them while the call's future is pending)."""
+
+    def f(x, y):
+        r = vjpmpi.allreduce(x, MPI.SUM)
+        outs = _dots(y, 6)
+        return r * outs[-1][0, 0]
+
+    args = (jnp.ones(1 << 15, jnp.float32), jnp.ones((32, 32), jnp.float32))
+    text = jax.jit(f).lower(*args).compile().as_text()
+    comps, entry = parse(text)
+    instrs = comps[entry]
+    anc = _ancestors(instrs)
+    (call,) = [i for i in instrs if i.target == "vjpmpi_allreduce"]
+    pos = [i.name for i in instrs].index(call.name)
+    users = [k for k, i in enumerate(instrs) if call.name in anc(i.name)
+             and i.opcode not in ("get-tuple-element", "bitcast")]
+    independent = [i for i in instrs[pos + 1:min(users)]
+                   if call.name not in anc(i.name) and i.opcode in ("fusion", "dot")]
+    assert len(independent) >= 6, [i.name for i in instrs]
+
+
+@needs2
+@pytest.mark.skipif(_kernels.CHECK, reason="VJPMPI_CHECK compares each collective with the "
+                    "other ranks' on the calling thread before it starts: the wait for a late "
+                    "rank overlaps nothing")
+def test_compute_runs_while_a_message_is_in_flight():
+    """Rank 1 enters the allreduce a second late; on every other rank a probe that does
+    not depend on the allreduce must see it running (on the communicator's thread)
+    while it waits. Synchronously the probe runs only after the call returns. (The
+    second run: the first run of a program compares its collectives with the other
+    ranks' on the calling thread.)"""
+    limit = 20.0
+    late = {"on": False, "t0": 0.0}
+
+    def delay(x):
+        if rank == 1 and late["on"]:
+            time.sleep(1.0)
+        return x
+
+    def probe(y):
+        seen = 0
+        while late["on"] and not seen and time.monotonic() - late["t0"] < limit:
+            seen = _kernels.cpu._in_flight()
+            time.sleep(0.001)
+        return np.full(y.shape, seen, y.dtype)
+
+    def f(x, y):
+        d = jax.pure_callback(delay, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        r = vjpmpi.allreduce(d, MPI.SUM)
+        # enough thunks (XLA:CPU runs programs of 8 or fewer in sequence)
+        outs = _dots(y, 10)
+        p = jax.pure_callback(probe, jax.ShapeDtypeStruct(y.shape, y.dtype), outs[0])
+        return r, p, outs[-1]
+
+    args = (jnp.ones(1 << 14, jnp.float32), jnp.ones((32, 32), jnp.float32))
+    exe = compiled((__name__, "probe"), f, *args)
+    with vjpmpi.async_threshold(0):
+        jax.block_until_ready(exe(*args))
+        late.update(on=True, t0=time.monotonic())
+        r, p, _ = exe(*args)
+    np.testing.assert_array_equal(np.asarray(r), np.full(1 << 14, size, np.float32))
+    seen = WORLD.allgather(float(np.asarray(p)[0, 0]))  # every rank fails together
+    assert all(s > 0 for k, s in enumerate(seen) if k != 1), seen
+
+
+# ------------------------------------------------------------- gradient sync --
+class Net(eqx.Module):
+    layers: tuple
+    scale: jax.Array  # float64: a second dtype group
+    step: int = eqx.field(static=True, default=1)
+
+    def __call__(self, x):
+        for w, b in self.layers:
+            x = jnp.tanh(x @ w + b)
+        return jnp.sum(x.astype(jnp.float64) * self.scale)
+
+
+def _net():
+    g = rng(31)
+    sizes = [(9, 16), (16, 16), (16, 7), (7, 3)]
+    layers = tuple((jnp.asarray(g.standard_normal(s).astype(np.float32) / 3),
+                    jnp.asarray(g.standard_normal(s[1]).astype(np.float32)))
+                   for s in sizes)
+    return Net(layers, jnp.asarray(np.linspace(0.5, 1.5, 3)))
+
+
+def _leaf_bytes(net):
+    leaves, _ = jax.tree_util.tree_flatten(net)
+    return [leaf.size * leaf.dtype.itemsize for leaf in leaves]
+
+
+def _loss(net, x):
+    return jnp.mean(jax.vmap(net)(x))
+
+
+BUCKETS = [1, 700, 1 << 20, None]  # a bucket per leaf, some leaves each, one per dtype
+
+
+@pytest.mark.parametrize("mean", [True, False])
+@pytest.mark.parametrize("bucket_bytes", BUCKETS)
+def test_sync_gradients_equals_allreduce_gradients(bucket_bytes, mean):
+    net = _net()
+    x = jnp.asarray(rng(5).standard_normal((11, 9)).astype(np.float32))  # this rank's data
+
+    def reference(net, x):
+        return vjpmpi.nn.allreduce_gradients(jax.grad(_loss)(net, x), mean=mean)
+
+    def bucketed(net, x):
+        return vjpmpi.nn.allreduce_gradients(jax.grad(_loss)(net, x), mean=mean,
+                                             bucket_bytes=bucket_bytes)
+
+    def synced(net, x):
+        return jax.grad(lambda n: _loss(vjpmpi.nn.sync_gradients(
+            n, mean=mean, bucket_bytes=bucket_bytes), x))(net)
+
+    want = jax.jit(reference)(net, x)
+    local = jax.tree_util.tree_leaves(jax.jit(jax.grad(_loss))(net, x))
+    every = WORLD.allgather([np.asarray(leaf) for leaf in local])
+    for k, leaf in enumerate(jax.tree_util.tree_leaves(want)):  # against NumPy
+        total = sum(e[k].astype(np.float64) for e in every)
+        np.testing.assert_allclose(leaf, total / size if mean else total, rtol=2e-6,
+                                   atol=1e-6)
+    for fn in (bucketed, synced):
+        got = jax.jit(fn)(net, x)
+        got_leaves, got_def = jax.tree_util.tree_flatten(got)
+        want_leaves, want_def = jax.tree_util.tree_flatten(want)
+        assert got_def == want_def and len(want_leaves) == 9
+        for k, (a, b) in enumerate(zip(got_leaves, want_leaves, strict=True)):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), (fn.__name__, k)
+
+
+def _expected_buckets(bucket_bytes):
+    """Bucket sizes in bytes, in the order they must be reduced: the float64 leaf (the
+    last one), then the float32 leaves from the last back, cut at `bucket_bytes`."""
+    sizes = _leaf_bytes(_net())
+    out = [sizes[-1]]
+    run = 0
+    for n in reversed(sizes[:-1]):
+        if run and bucket_bytes is not None and run + n > bucket_bytes:
+            out.append(run)
+            run = 0
+        run += n
+    return out + [run]
+
+
+@pytest.mark.parametrize("bucket_bytes", BUCKETS)
+def test_sync_gradients_calls_in_backward_order(bucket_bytes):
+    """One allreduce per bucket, in program order the bucket of the last leaves first,
+    each depending only on its own gradients (so it can start while the backward pass
+    computes the earlier layers' gradients)."""
+    net = _net()
+    x = jnp.ones((11, 9), jnp.float32)
+
+    def step(net, x):
+        return jax.grad(lambda n: _loss(vjpmpi.nn.sync_gradients(
+            n, bucket_bytes=bucket_bytes), x))(net)
+
+    text = jax.jit(step).lower(net, x).compile().as_text()
+    assert_ordered(text)
+    calls = [c for c in _calls(text) if c.target == "vjpmpi_allreduce"]
+    got = [int(n) * (8 if t == "f64" else 4) for t, n in
+           (_call_input(text, c.name) for c in _in_chain_order(text, calls))]
+    assert got == _expected_buckets(bucket_bytes)
+
+
+def _call_input(text, name):
+    """The element type and count of a call's (one-dimensional) input."""
+    line = next(ln for ln in text.splitlines()
+                if re.match(rf"\s*(ROOT\s+)?%{re.escape(name)} ", ln))
+    args = line[line.index("custom-call(") + len("custom-call("):]
+    m = re.search(r"(f32|f64)\[(\d+)\]", args)
+    return m.group(1), m.group(2)
+
+
+def _in_chain_order(text, calls):
+    comps, entry = parse(text)
+    anc = _ancestors(comps[entry])
+    return sorted(calls, key=lambda c: len([d for d in calls if d.name in anc(c.name)]))
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True])
+def test_bucket_bytes_must_be_positive(bad):
+    net = _net()
+    with pytest.raises(ValueError, match=r"nn.sync_gradients: `bucket_bytes`"):
+        vjpmpi.nn.sync_gradients(net, bucket_bytes=bad)
+    with pytest.raises(ValueError, match=r"nn.allreduce_gradients: `bucket_bytes`"):
+        vjpmpi.nn.allreduce_gradients(net, bucket_bytes=bad)
+
+
+def test_bucketing_keeps_the_bits_of_large_buffers():
+    """MPI may pick its allreduce algorithm by message size: one bucket per leaf and one
+    per dtype still give the same bits where a buffer crosses MPICH's switch points."""
+    g = rng(41)
+    tree = {"a": jnp.asarray(g.standard_normal(7).astype(np.float32)),
+            "b": jnp.asarray(g.standard_normal((300, 1000)).astype(np.float32)),
+            "c": jnp.asarray(g.standard_normal(2000).astype(np.float32))}
+    whole = jax.jit(vjpmpi.nn.allreduce_gradients)(tree)
+    each = jax.jit(lambda t: vjpmpi.nn.allreduce_gradients(t, bucket_bytes=1))(tree)
+    for k in tree:
+        assert np.asarray(whole[k]).tobytes() == np.asarray(each[k]).tobytes(), k
