@@ -96,9 +96,7 @@ def _env_timeout() -> float:
 
 def _env_async_bytes() -> int | None:
     raw = os.environ.get("VJPMPI_ASYNC_BYTES", "").strip().lower()
-    if not raw:
-        return 1 << 16
-    if raw in ("off", "never"):
+    if not raw or raw in ("off", "never"):
         return None
     try:
         value = int(raw)
@@ -130,7 +128,8 @@ def async_threshold(nbytes: int | None):
     communicator's own thread while XLA runs the rest of the program that does not wait
     for its result. Results are the same either way; only where the time goes changes.
     The setting applies to the calls that run inside the block, whenever their program
-    was compiled. The default is VJPMPI_ASYNC_BYTES (65536; "off": None), read at import.
+    was compiled. The default is VJPMPI_ASYNC_BYTES, read at import (unset or "off":
+    None; opt-in while a 4-rank pencil FFT benchmark can hang with it, see README).
     """
     if nbytes is not None and not (isinstance(nbytes, int) and not isinstance(nbytes, bool)
                                    and nbytes >= 0):

@@ -161,7 +161,7 @@ def test_threshold_arguments(monkeypatch):
             assert _kernels.cpu.async_bytes() == -1
         assert _kernels.cpu.async_bytes() == 7
     assert _kernels.ASYNC_BYTES == before
-    for raw, value in (("", 1 << 16), ("0", 0), (" 4096 ", 4096), ("off", None),
+    for raw, value in (("", None), ("0", 0), (" 4096 ", 4096), ("off", None),
                        ("OFF", None), ("never", None)):
         monkeypatch.setenv("VJPMPI_ASYNC_BYTES", raw)
         assert _kernels._env_async_bytes() == value, raw
