@@ -392,27 +392,26 @@ class Yielder {
   std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
 };
 
-inline int AwaitRequest(int rc, MPI_Request* req, MPI_Status* st) {
+// `test(&done)` (an MPI_Test of the call's requests) until done, yielding between tests.
+template <typename Test>
+int Await(int rc, Test test) {
   int done = 0;
   Yielder yield;
   while (rc == MPI_SUCCESS) {
-    rc = MPI_Test(req, &done, st);
+    rc = test(&done);
     if (done) break;
     yield();
   }
   return rc;
 }
 
+inline int AwaitRequest(int rc, MPI_Request* req, MPI_Status* st) {
+  return Await(rc, [&](int* done) { return MPI_Test(req, done, st); });
+}
+
 // AwaitRequest for `n` requests; sts[i] receives request i's status.
 inline int AwaitRequests(int rc, int n, MPI_Request* reqs, MPI_Status* sts) {
-  int done = 0;
-  Yielder yield;
-  while (rc == MPI_SUCCESS) {
-    rc = MPI_Testall(n, reqs, &done, sts);
-    if (done) break;
-    yield();
-  }
-  return rc;
+  return Await(rc, [&](int* done) { return MPI_Testall(n, reqs, done, sts); });
 }
 
 // ifn(args, &request) then AwaitRequest, by count as VJPMPI_BY_COUNT; `st` receives
