@@ -429,7 +429,7 @@ def overlap_report(o, why, a, a_why, check):
             "network module (`" + " ".join(f"{k}={v}" for k, v in o["env"].items()) + "`). "
             "Each figure: median of repeated steps, seconds per step. `compute` leaves the "
             "communication out; `after` communicates synchronously (every call on XLA's "
-            "thread); `overlapped` runs the calls of at least "
+            "thread, `vjpmpi.async_threshold(None)`); `overlapped` runs the calls of at least "
             f"{o['async_bytes']} bytes on the communicator's thread (`vjpmpi.async_threshold`).", "",
             f"Data-parallel MLP training step ({mlp['layers']} layers of {mlp['width']}, "
             f"{mlp['params']} parameters, batch {mlp['batch']} per rank, SGD): `after` "

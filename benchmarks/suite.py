@@ -797,7 +797,7 @@ def _halo(quick, rows):
             **{k: v / steps for k, v in {**sync, **t}.items()}}
 
 
-ASYNC = 1 << 16  # the threshold the overlap and async parts turn on (opt-in: off by default)
+ASYNC = 1 << 16  # the threshold the overlap and async parts set (opt-in: off by default)
 
 
 def async_part(quick):

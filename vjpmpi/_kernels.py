@@ -127,19 +127,25 @@ def async_threshold(nbytes: int | None):
     out; None: no call) runs asynchronously: on the CPU, its MPI call runs on the
     communicator's own thread while XLA runs the rest of the program that does not wait
     for its result. Results are the same either way; only where the time goes changes.
-    The setting applies to the calls that run inside the block, whenever their program
-    was compiled. The default is VJPMPI_ASYNC_BYTES, read at import (unset or "off":
-    None; opt-in while a 4-rank pencil FFT benchmark can hang with it, see README).
+    The setting applies to the programs dispatched inside the block, whenever they were
+    compiled: entering and leaving wait for the programs already dispatched
+    (`jax.effects_barrier()`), so that one program never runs under two settings. Every
+    rank must use the same setting: with one set, collectives use MPI's nonblocking
+    calls, which MPI does not match with blocking ones (the ranks' agreement reports a
+    difference where it compares). The default is VJPMPI_ASYNC_BYTES, read at import
+    (unset or "off": None; opt-in while it costs alltoall on shared memory, see README).
     """
     if nbytes is not None and not (isinstance(nbytes, int) and not isinstance(nbytes, bool)
                                    and nbytes >= 0):
         raise ValueError("vjpmpi.async_threshold: `nbytes` must be an int >= 0 or None, "
                          f"got {nbytes!r}")
     before = ASYNC_BYTES
+    jax.effects_barrier()
     set_async_bytes(nbytes)
     try:
         yield
     finally:
+        jax.effects_barrier()
         set_async_bytes(before)
 
 

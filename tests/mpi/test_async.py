@@ -5,7 +5,11 @@ the bucketed gradient sync of `vjpmpi.nn` that uses them.
 - Every op, forward, reverse (vjp) and under vmap (batched on axis 0 on even ranks, on
   the last axis on odd ones), on rank-dependent float64 data: the program run with
   every call asynchronous gives the same bits as the same program run with none.
-- The threshold decides which calls run on the communicator's thread (counted).
+- The threshold decides which calls run on the communicator's thread (counted); ranks
+  with different thresholds still pair, and a call below it that runs on the
+  communicator's thread on some ranks and on XLA's on others makes the same MPI call
+  (a hang when it was nonblocking on one thread only); a reduce_scatter where MPICH's
+  nonblocking algorithm sums in another order gives the same bits both ways.
 - What XLA compiles: an independent computation is scheduled between a call and the
   first use of its result.
 - At run time: computation that does not depend on a message runs while it is in
@@ -246,6 +250,81 @@ def test_compute_runs_while_a_message_is_in_flight():
     np.testing.assert_array_equal(np.asarray(r), np.full(1 << 14, size, np.float32))
     seen = WORLD.allgather(float(np.asarray(p)[0, 0]))  # every rank fails together
     assert all(s > 0 for k, s in enumerate(seen) if k != 1), seen
+
+
+def test_blocking_and_nonblocking_never_meet():
+    """A call below the threshold runs on the thread that completes its last input: here
+    on even ranks XLA's (its input comes from a callback that returns only after the
+    large call has completed), on odd ranks the communicator's (its input is ready, the
+    large call before it completes last). Both must use the same kind of MPI call: MPI
+    never matches a blocking allreduce with a nonblocking one (a 4-rank FFT waited for
+    ever that way)."""
+    big = jnp.asarray(rng(7).standard_normal(1 << 18))  # 2 MiB: asynchronous
+    y = jnp.asarray(rng(8).standard_normal((32, 32)) / 32)
+    posted = {"base": 0}
+
+    def after_the_large_call(v):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5.0:  # (posted, then no call running)
+            if _kernels.cpu._async_calls() > posted["base"] and not _kernels.cpu._in_flight():
+                break
+            time.sleep(0.0002)
+        time.sleep(0.05)
+        return v
+
+    def f(big, y):
+        r = vjpmpi.allreduce(big, MPI.SUM)
+        outs = _dots(y, 10)  # (more than 8 thunks: XLA:CPU runs the program as dataflow)
+        if rank % 2 == 0:
+            small = jax.pure_callback(after_the_large_call,
+                                      jax.ShapeDtypeStruct((), y.dtype), y[0, 0])
+        else:
+            small = y[0, 0]
+        return r, vjpmpi.allreduce(small, MPI.SUM), outs[-1]
+
+    exe = compiled((__name__, "kinds_meet"), f, big, y)
+    want = WORLD.allreduce(float(y[0, 0]))
+    with vjpmpi.async_threshold(1 << 16):
+        for _ in range(3):
+            posted["base"] = _kernels.cpu._async_calls()
+            r, s, _ = exe(big, y)
+            np.testing.assert_allclose(float(s), want, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(r), WORLD.allreduce(np.asarray(big)), rtol=1e-12)
+
+
+@needs2
+def test_ranks_with_different_thresholds_agree():
+    """The threshold only moves a call between threads: ranks with different settings
+    (here rank 0 runs every call asynchronously, the others none) run the same MPI
+    calls, also in a program every rank has run before (whose later runs the ranks'
+    agreement does not compare)."""
+    x = jnp.full((3,), rank + 1.0)
+    exe = compiled((__name__, "modes"), lambda v: vjpmpi.allreduce(v, MPI.SUM) * 2, x)
+    want = np.full(3, size * (size + 1.0))
+    np.testing.assert_array_equal(np.asarray(exe(x)), want)
+    before = _kernels.cpu._async_calls()
+    with vjpmpi.async_threshold(0 if rank == 0 else None):
+        for _ in range(3):
+            np.testing.assert_array_equal(np.asarray(exe(x)), want)
+    assert _kernels.cpu._async_calls() - before == (3 if rank == 0 else 0)
+
+
+def test_same_bits_where_mpi_algorithms_differ():
+    """reduce_scatter of 64 Ki float64 (the size where MPICH's nonblocking
+    MPI_Ireduce_scatter_block sums in another order than the blocking call at 4 ranks):
+    asynchronous and synchronous give the same bits, since both make the blocking call."""
+    x = jnp.asarray(rng(9).standard_normal((size, (1 << 16) // size)))
+    exe = compiled((__name__, "reduce_scatter_64k"),
+                   lambda v: vjpmpi.reduce_scatter(v, MPI.SUM), x)
+    runs = {}
+    for threshold in (None, 0):
+        before = _kernels.cpu._async_calls()
+        with vjpmpi.async_threshold(threshold):
+            runs[threshold] = np.asarray(exe(x))
+        assert _kernels.cpu._async_calls() - before == (threshold == 0)
+    assert runs[0].tobytes() == runs[None].tobytes()
+    np.testing.assert_allclose(runs[0], WORLD.allreduce(np.asarray(x))[rank], rtol=1e-12,
+                               atol=1e-13)
 
 
 # ------------------------------------------------------------- gradient sync --

@@ -45,7 +45,6 @@ class CommThread {
 
  private:
   void Loop() {
-    yielding_waits = true;  // (vjpmpi_mpi.h: this thread's calls leave the core between tests)
     while (!stop_) {
       std::function<void()> job;
       {
@@ -110,6 +109,12 @@ inline std::atomic<int64_t>& AsyncBytes() {
 // Whether a call moving `moved` bytes runs on the communicator's thread: it moves data,
 // at least AsyncBytes(), and MPI lets another thread make the calls
 // (MPI_THREAD_SERIALIZED or more; where it does not, every call runs on XLA's thread).
+// The MPI call is the same blocking call wherever it runs: which thread runs a call
+// that stays on XLA's side depends on timing (the thread that completes its last input
+// runs it), and MPI never matches a blocking collective with a nonblocking one (an
+// earlier version used nonblocking calls on this thread only, and a 4-rank FFT hung
+// with one rank in MPI_Allreduce and another in MPI_Iallreduce); their algorithms
+// differ too (MPICH's MPI_Ireduce_scatter_block sums in another order at 4 ranks).
 inline bool GoesAsync(size_t moved) {
   int64_t limit = AsyncBytes().load(std::memory_order_relaxed);
   if (limit < 0 || moved == 0 || moved < static_cast<size_t>(limit)) return false;

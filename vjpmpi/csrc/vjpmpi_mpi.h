@@ -10,9 +10,7 @@
 #ifndef MPICH_SKIP_MPICXX
 #define MPICH_SKIP_MPICXX 1
 #endif
-#include <chrono>
 #include <mpi.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <climits>
@@ -367,72 +365,6 @@ int ByCount(size_t n, Small small, Big big) {
 #define VJPMPI_BY_COUNT(count, fn, ...) ByCount(count, [&](int n) { return fn(__VA_ARGS__); }, nullptr)
 #endif
 
-// How a call waits for its messages. On XLA's thread: MPI's blocking call. On a
-// communicator's thread (vjpmpi_async.h, which sets `yielding_waits`): the nonblocking
-// call, then MPI_Test with the core yielded between tests, so that the computation the
-// call overlaps runs instead of MPI's progress loop spinning against it (with nothing
-// else to run, the tests follow each other as fast as the blocking call's loop). Both
-// run the same algorithm in MPICH and Open MPI (tests/mpi/test_async.py compares the
-// results bit for bit).
-inline thread_local bool yielding_waits = false;
-
-// Between tests the thread yields the core every 20 us, so that XLA's computation on
-// this core runs while a message is in flight; with nothing else to run, the tests
-// follow each other as fast as in the blocking call's own loop.
-class Yielder {
- public:
-  void operator()() {
-    auto now = std::chrono::steady_clock::now();
-    if (now - last_ < std::chrono::microseconds(20)) return;
-    sched_yield();
-    last_ = std::chrono::steady_clock::now();
-  }
-
- private:
-  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
-};
-
-// `test(&done)` (an MPI_Test of the call's requests) until done, yielding between tests.
-template <typename Test>
-int Await(int rc, Test test) {
-  int done = 0;
-  Yielder yield;
-  while (rc == MPI_SUCCESS) {
-    rc = test(&done);
-    if (done) break;
-    yield();
-  }
-  return rc;
-}
-
-inline int AwaitRequest(int rc, MPI_Request* req, MPI_Status* st) {
-  return Await(rc, [&](int* done) { return MPI_Test(req, done, st); });
-}
-
-// AwaitRequest for `n` requests; sts[i] receives request i's status.
-inline int AwaitRequests(int rc, int n, MPI_Request* reqs, MPI_Status* sts) {
-  return Await(rc, [&](int* done) { return MPI_Testall(n, reqs, done, sts); });
-}
-
-// ifn(args, &request) then AwaitRequest, by count as VJPMPI_BY_COUNT; `st` receives
-// the status (or MPI_STATUS_IGNORE).
-#if MPI_VERSION >= 4
-#define VJPMPI_NONBLOCKING(count, st, ifn, ...)                                          \
-  ByCount(                                                                               \
-      count, [&](int n) { MPI_Request q; return AwaitRequest(ifn(__VA_ARGS__, &q), &q, st); }, \
-      [&](MPI_Count n) { MPI_Request q; return AwaitRequest(ifn##_c(__VA_ARGS__, &q), &q, st); })
-#else
-#define VJPMPI_NONBLOCKING(count, st, ifn, ...)                                          \
-  ByCount(                                                                               \
-      count, [&](int n) { MPI_Request q; return AwaitRequest(ifn(__VA_ARGS__, &q), &q, st); }, \
-      nullptr)
-#endif
-
-// fn(args) on XLA's thread, ifn(args, &request) and its wait on a communicator's thread.
-#define VJPMPI_WAITED(count, fn, ifn, ...)                                 \
-  (yielding_waits ? VJPMPI_NONBLOCKING(count, MPI_STATUS_IGNORE, ifn, __VA_ARGS__) \
-                  : VJPMPI_BY_COUNT(count, fn, __VA_ARGS__))
-
 inline const char* KindName(Kind k) {
   switch (k) {
 #define VJPMPI_X(e, name, xla, mpi, bytes) \
@@ -499,19 +431,18 @@ inline int Rank(MPI_Comm c) { int r = 0; MPI_Comm_rank(c, &r); return r; }
 
 // Allreduce, Scan and Exscan: one element-wise reduction call each, in place when
 // XLA aliased the buffers.
-#define VJPMPI_ELEMENTWISE(fn, ifn, comm)                                                \
+#define VJPMPI_ELEMENTWISE(fn, comm)                                                     \
   [](const Call& c, MPI_Comm on, const void* send, void* recv) -> std::string {         \
     auto e = CountCheck(c.count, c.op, OwnOp(c.red, c.kind));                                   \
     if (!e.empty()) return e;                                                            \
     const void* s = send == recv ? MPI_IN_PLACE : send;                                  \
     MPI_Datatype t = Datatype(c.kind);                                                   \
     MPI_Op op = Operation(c.red, c.kind);                                                \
-    return Check(VJPMPI_WAITED(c.count, fn, ifn, s, recv, n, t, op, on), \
-                 c.op, #fn);                                                             \
+    return Check(VJPMPI_BY_COUNT(c.count, fn, s, recv, n, t, op, on), c.op, #fn);       \
   }(c, comm, send, recv)
 
 inline std::string Allreduce(const Call& c, const void* send, void* recv) {
-  return VJPMPI_ELEMENTWISE(MPI_Allreduce, MPI_Iallreduce, c.comm);
+  return VJPMPI_ELEMENTWISE(MPI_Allreduce, c.comm);
 }
 
 inline std::string Reduce(const Call& c, const void* send, void* recv) {
@@ -523,7 +454,7 @@ inline std::string Reduce(const Call& c, const void* send, void* recv) {
   void* r = root ? recv : nullptr;
   MPI_Datatype t = Datatype(c.kind);
   MPI_Op op = Operation(c.red, c.kind);
-  return Check(VJPMPI_WAITED(c.count, MPI_Reduce, MPI_Ireduce, s, r, n, t, op, c.root, c.comm), c.op,
+  return Check(VJPMPI_BY_COUNT(c.count, MPI_Reduce, s, r, n, t, op, c.root, c.comm), c.op,
                "MPI_Reduce");
 }
 
@@ -532,7 +463,7 @@ inline std::string Bcast(const Call& c, const void* send, void* recv) {
   if (!e.empty()) return e;
   if (send != recv && Rank(c.comm) == c.root) c.copy(recv, send, c.count * ByteSize(c.kind));
   MPI_Datatype t = Datatype(c.kind);
-  return Check(VJPMPI_WAITED(c.count, MPI_Bcast, MPI_Ibcast, recv, n, t, c.root, c.comm), c.op,
+  return Check(VJPMPI_BY_COUNT(c.count, MPI_Bcast, recv, n, t, c.root, c.comm), c.op,
                "MPI_Bcast");
 }
 
@@ -540,7 +471,7 @@ inline std::string Allgather(const Call& c, const void* send, void* recv) {
   auto e = CountCheck(c.count, c.op);
   if (!e.empty()) return e;
   MPI_Datatype t = Datatype(c.kind);
-  return Check(VJPMPI_WAITED(c.count, MPI_Allgather, MPI_Iallgather, send, n, t, recv, n, t, c.comm), c.op,
+  return Check(VJPMPI_BY_COUNT(c.count, MPI_Allgather, send, n, t, recv, n, t, c.comm), c.op,
                "MPI_Allgather");
 }
 
@@ -551,7 +482,7 @@ inline std::string Gather(const Call& c, const void* send, void* recv) {
   bool root = Rank(c.comm) == c.root;
   if (!root && send != recv) c.copy(recv, send, c.count * ByteSize(c.kind));
   void* r = root ? recv : nullptr;
-  return Check(VJPMPI_WAITED(c.count, MPI_Gather, MPI_Igather, send, n, t, r, n, t, c.root, c.comm), c.op,
+  return Check(VJPMPI_BY_COUNT(c.count, MPI_Gather, send, n, t, r, n, t, c.root, c.comm), c.op,
                "MPI_Gather");
 }
 
@@ -560,7 +491,7 @@ inline std::string Scatter(const Call& c, const void* send, void* recv) {
   if (!e.empty()) return e;
   MPI_Datatype t = Datatype(c.kind);
   const void* s = Rank(c.comm) == c.root ? send : nullptr;
-  return Check(VJPMPI_WAITED(c.count, MPI_Scatter, MPI_Iscatter, s, n, t, recv, n, t, c.root, c.comm), c.op,
+  return Check(VJPMPI_BY_COUNT(c.count, MPI_Scatter, s, n, t, recv, n, t, c.root, c.comm), c.op,
                "MPI_Scatter");
 }
 
@@ -660,7 +591,7 @@ inline std::string Alltoall(const Call& c, const void* send, void* recv) {
     return AlltoallPairwise(c, recv, size);
   }
   const void* s = send == recv ? MPI_IN_PLACE : send;
-  return Check(VJPMPI_WAITED(c.count, MPI_Alltoall, MPI_Ialltoall, s, n, t, recv, n, t, c.comm), c.op,
+  return Check(VJPMPI_BY_COUNT(c.count, MPI_Alltoall, s, n, t, recv, n, t, c.comm), c.op,
                "MPI_Alltoall");
 }
 
@@ -669,12 +600,12 @@ inline std::string ReduceScatter(const Call& c, const void* send, void* recv) {
   if (!e.empty()) return e;
   MPI_Datatype t = Datatype(c.kind);
   MPI_Op op = Operation(c.red, c.kind);
-  return Check(VJPMPI_WAITED(c.count, MPI_Reduce_scatter_block, MPI_Ireduce_scatter_block, send, recv, n, t, op, c.comm),
+  return Check(VJPMPI_BY_COUNT(c.count, MPI_Reduce_scatter_block, send, recv, n, t, op, c.comm),
                c.op, "MPI_Reduce_scatter_block");
 }
 
 inline std::string Scan(const Call& c, const void* send, void* recv) {
-  return VJPMPI_ELEMENTWISE(MPI_Scan, MPI_Iscan, c.comm);
+  return VJPMPI_ELEMENTWISE(MPI_Scan, c.comm);
 }
 
 // Exscan in rank order, or (c.reverse) from the last rank down; the first rank
@@ -683,7 +614,7 @@ inline std::string Exscan(const Call& c, const void* send, void* recv) {
   MPI_Comm comm;
   std::string e = OrderedComm(c, &comm);
   if (!e.empty()) return e;
-  e = VJPMPI_ELEMENTWISE(MPI_Exscan, MPI_Iexscan, comm);
+  e = VJPMPI_ELEMENTWISE(MPI_Exscan, comm);
   if (e.empty() && Rank(comm) == 0) {
     if (c.device) {  // fill on the host, then copy to the device buffer
       std::vector<unsigned char> host(c.count * ByteSize(c.kind));
@@ -891,7 +822,7 @@ inline std::string Send(const Call& c, const void* send, void*) {
     if (!e.empty()) return e;
   }
   size_t bytes = c.count * ByteSize(c.kind);  // (as bytes: see ReceivedAll)
-  return Check(VJPMPI_WAITED(bytes, MPI_Send, MPI_Isend, send, n, MPI_BYTE, c.peer, c.tag, c.comm), c.op,
+  return Check(VJPMPI_BY_COUNT(bytes, MPI_Send, send, n, MPI_BYTE, c.peer, c.tag, c.comm), c.op,
                "MPI_Send");
 }
 
@@ -959,8 +890,7 @@ inline std::string Recv(const Call& c, const void*, void* recv) {
   }
   MPI_Status st;
   size_t bytes = c.count * ByteSize(c.kind);
-  e = Check((yielding_waits ? VJPMPI_NONBLOCKING(bytes, &st, MPI_Irecv, recv, n, MPI_BYTE, source, tag, c.comm)
-                           : VJPMPI_BY_COUNT(bytes, MPI_Recv, recv, n, MPI_BYTE, source, tag, c.comm, &st)), c.op,
+  e = Check(VJPMPI_BY_COUNT(bytes, MPI_Recv, recv, n, MPI_BYTE, source, tag, c.comm, &st), c.op,
             "MPI_Recv");
   if (c.status) *c.status = st;
   return e.empty() ? ReceivedAll(c, st, c.count) : e;
@@ -977,25 +907,7 @@ inline std::string Sendrecv(const Call& c, const void* send, void* recv) {
   }
   MPI_Status st;
   size_t w = ByteSize(c.kind), out = c.count * w, in = c.count2 * w;
-  if (yielding_waits) {
-    // (a receive and a send, not MPI_Isendrecv, whose completion leaves the status
-    // unset in MPICH 4: the received count would be whatever the stack held)
-    MPI_Request q[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-    MPI_Status sts[2];
-    int rc;
-#if MPI_VERSION >= 4
-    if (Large(out) || Large(in)) {
-      rc = MPI_Irecv_c(recv, (MPI_Count)in, MPI_BYTE, source, tag, c.comm, &q[0]);
-      if (rc == MPI_SUCCESS) rc = MPI_Isend_c(send, (MPI_Count)out, MPI_BYTE, c.peer, c.tag, c.comm, &q[1]);
-    } else
-#endif
-    {
-      rc = MPI_Irecv(recv, (int)in, MPI_BYTE, source, tag, c.comm, &q[0]);
-      if (rc == MPI_SUCCESS) rc = MPI_Isend(send, (int)out, MPI_BYTE, c.peer, c.tag, c.comm, &q[1]);
-    }
-    e = Check(AwaitRequests(rc, 2, q, sts), c.op, "MPI_Irecv/MPI_Isend");
-    st = sts[0];
-  } else if (Large(out) || Large(in)) {
+  if (Large(out) || Large(in)) {
 #if MPI_VERSION >= 4
     e = Check(MPI_Sendrecv_c(send, (MPI_Count)out, MPI_BYTE, c.peer, c.tag, recv,
                              (MPI_Count)in, MPI_BYTE, source, tag, c.comm, &st),
