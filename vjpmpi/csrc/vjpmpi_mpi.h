@@ -11,6 +11,7 @@
 #define MPICH_SKIP_MPICXX 1
 #endif
 #include <mpi.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <climits>
@@ -22,6 +23,10 @@
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25  // (Linux 6.1; older kernels answer EINVAL)
+#endif
 
 namespace vjpmpi {
 
@@ -554,6 +559,22 @@ inline std::string OrderedComm(const Call& c, MPI_Comm* out) {
   return DerivedComm(c.comm, Derived::kReversed, c.op, out);
 }
 
+// MPI's shared-memory copies of a large buffer run about 3x faster on huge pages, which
+// NumPy asks for (so mpi4py's buffers have them) and XLA's allocator does not. A large
+// buffer's whole 2 MiB pages are marked for huge pages and collapsed into them (Linux
+// 6.1+; a no-op where they are huge already, as in the next calls of a loop on the same
+// buffer; where the kernel refuses, nothing changes but the speed). Host memory only.
+inline void HugePages(const void* buf, size_t n) {
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (n < 2 * kHuge) return;
+  uintptr_t start = (reinterpret_cast<uintptr_t>(buf) + kHuge - 1) & ~(kHuge - 1);
+  uintptr_t end = (reinterpret_cast<uintptr_t>(buf) + n) & ~(kHuge - 1);
+  if (end <= start) return;
+  void* p = reinterpret_cast<void*>(start);
+  madvise(p, end - start, MADV_HUGEPAGE);
+  madvise(p, end - start, MADV_COLLAPSE);
+}
+
 // In-place alltoall on a power-of-two communicator: in round k swap block
 // `rank ^ k` with that rank, through one block of scratch. Moves the same bytes
 // as an out-of-place alltoall; MPICH's MPI_IN_PLACE algorithm copies each block
@@ -561,7 +582,10 @@ inline std::string OrderedComm(const Call& c, MPI_Comm* out) {
 inline std::string AlltoallPairwise(const Call& c, void* buf, int size) {
   static thread_local std::vector<unsigned char> scratch;
   size_t bytes = c.count * ByteSize(c.kind);
-  if (scratch.size() < bytes) scratch.resize(bytes);
+  if (scratch.size() < bytes) {
+    scratch.resize(bytes);
+    HugePages(scratch.data(), bytes);
+  }
   MPI_Datatype t = Datatype(c.kind);
   int rank = Rank(c.comm);
   MPI_Comm comm;
