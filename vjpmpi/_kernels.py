@@ -129,10 +129,9 @@ def async_threshold(nbytes: int | None):
     for its result. Results are the same either way; only where the time goes changes.
     The setting applies to the programs dispatched inside the block, whenever they were
     compiled: entering and leaving wait for the programs already dispatched
-    (`jax.effects_barrier()`), so that one program never runs under two settings. Every
-    rank must use the same setting: with one set, collectives use MPI's nonblocking
-    calls, which MPI does not match with blocking ones (the ranks' agreement reports a
-    difference where it compares). The default is VJPMPI_ASYNC_BYTES, read at import
+    (`jax.effects_barrier()`), so that one program never runs under two settings. The
+    MPI call is the same blocking call on either thread, so ranks may use different
+    settings. The default is VJPMPI_ASYNC_BYTES, read at import
     (unset or "off": None; opt-in while it costs alltoall on shared memory, see README).
     """
     if nbytes is not None and not (isinstance(nbytes, int) and not isinstance(nbytes, bool)
