@@ -200,8 +200,10 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
   if (e.empty()) {
     if constexpr (Async) {
       const bool go = GoesAsync(moved);
-      // (the agreement here, not on the communicator's thread: there its one-sided
-      // reads left a later program's first collective waiting for ever in MPICH)
+      // (the agreement here, on the calling thread, before the post: on the
+      // communicator's thread a later program's first collective once waited for ever
+      // in MPICH, probably the blocking/nonblocking mismatch of vjpmpi_async.h's
+      // GoesAsync, which that version had; not tried again since)
       if (go && Agreeing(*rt, collective)) e = AgreeStep(*rt, c, a, ce, nullptr);
       if (go && e.empty()) {
         rt->async_calls.fetch_add(1, std::memory_order_relaxed);
