@@ -14,3 +14,9 @@ from ._optim import sharded_optimizer as sharded_optimizer
 from ._sequence import gather_sequence as gather_sequence
 from ._sequence import scatter_sequence_sum as scatter_sequence_sum
 from ._sequence import replicated as replicated
+from ._pipeline import Schedule as Schedule
+from ._pipeline import Slot as Slot
+from ._pipeline import from_orders as from_orders
+from ._pipeline import gpipe as gpipe
+from ._pipeline import one_f_one_b as one_f_one_b
+from ._pipeline import pipeline_value_and_grad as pipeline_value_and_grad
