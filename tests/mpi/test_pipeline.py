@@ -270,6 +270,20 @@ def test_wrong_micro_batch_count_fails_on_every_rank():
         jax.block_until_ready(run(vnn.gpipe(p, 2), stages[rank], x, t[:2], None, p))
 
 
+@pytest.mark.skipif(size < 2, reason="needs a boundary between ranks")
+def test_ranks_disagreeing_on_an_activation_fail_on_every_rank():
+    """The last stage expects a larger activation than its sender sends (a stage and a
+    loss that accept any shape, so no local check sees it): an error on every rank."""
+    p, m = size, 2
+    mine = (3, 3) if rank < p - 1 else (4, 3)
+    x = jnp.ones((m, 3, 3))
+    f = jax.jit(lambda x: vnn.pipeline_value_and_grad(
+        eqx.nn.Lambda(jnp.tanh), lambda y, t: jnp.mean(y ** 2) + 0 * jnp.mean(t), x, x,
+        schedule=vnn.gpipe(p, m), activation=jax.ShapeDtypeStruct(mine, jnp.float64)))
+    with pytest.raises(Exception, match=r"(disagree|mismatch)(.|\n)*float64\[4, 3\]"):
+        jax.block_until_ready(f(x))
+
+
 def test_schedule_for_another_size_fails():
     with pytest.raises(Exception, match=f"{size + 1} stages for {size} ranks"):
         jax.block_until_ready(run(vnn.gpipe(size + 1, 2), model(size)[rank], *data(size, 2),

@@ -324,9 +324,12 @@ def pipeline_value_and_grad(stage: Callable, loss: Callable, inputs: PyTree, tar
         why = f"the schedule has {p} stages for {ref.size} ranks (one stage per rank)"
     else:
         why = _local_problems(stage, loss, inputs, targets, schedule, bounds, call, key, ref)
-    digest = zlib.crc32(repr(schedule.rows).encode()) % 65521
+    # (the ranks agree on the table and every boundary's shape and dtype: a receive
+    # buffer unlike what its sender sends would be an error or a partial message)
+    digest = zlib.crc32(repr((schedule.rows, bounds)).encode()) % 65521
     agree_on((p, m, len(schedule.rows), digest), jnp.float32, ref.comm, _OP,
-             note=f"stage {s} of a {schedule!r}", invalid=why)
+             note=f"stage {s} of a {schedule!r}, activations "
+                  f"{[f'{b.dtype}{list(b.shape)}' for b in bounds]}", invalid=why)
     dtype = jnp.zeros(()).dtype  # the default float: exact for any real loss dtype
     if why is not None:  # (the agreement above fails on every rank when it runs)
         return jnp.zeros((), dtype), jax.tree_util.tree_map(
