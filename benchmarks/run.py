@@ -247,6 +247,7 @@ def report(m, g, g_why):
     text += net_report(m.get("net"), m.get("net_why"))
     text += overlap_report(m.get("overlap"), m.get("overlap_why"), m.get("async"),
                            m.get("async_why"), check)
+    text += pipeline_report(m.get("pipeline"), m.get("pipeline_why"))
     text += gpu_report(m.get("gpu"), m.get("gpu_why"))
     text += ["## Competitors", "",
              f"- mpi4py {m.get('mpi4py', '')}: buffer API on preallocated NumPy arrays (floor).",
@@ -414,6 +415,29 @@ def net_report(n, why):
                for r in n["bandwidth"]]), ""]
 
 
+def pipeline_report(p, why):
+    """Pipeline parallelism: the measured bubble at 2 stages, and the tables'."""
+    text = ["## Pipeline parallelism: the bubble", ""]
+    if p is None:
+        return text + [f"Not run: {why}", ""]
+    return text + [
+        f"{p['ranks']} stages, one per rank and core, on shared memory; each stage "
+        f"{p['layers']} tanh layers of {p['width']}, micro-batches of {p['batch']} rows "
+        "(`pipeline_value_and_grad`). `alone`: the stage's forward and backward passes over "
+        "the micro-batches without messages; measured bubble: 1 - alone / pipelined step, "
+        "the mean over the ranks; ideal: (p - 1) / (m + p - 1), what the tables give.", "",
+        table(["micro-batches", "alone s", "GPipe s", "1F1B s", "GPipe bubble",
+               "1F1B bubble", "ideal"],
+              [[r["micro"], r["alone"], r["gpipe"], r["1f1b"], r["gpipe_bubble"],
+                r["1f1b_bubble"], r["ideal"]] for r in p["measured"]]), "",
+        "The schedules' tables (`Schedule.bubble`, and the most activations a stage "
+        "stores, `Schedule.stored`):", "",
+        table(["stages", "micro-batches", "GPipe bubble", "1F1B bubble", "GPipe stored",
+               "1F1B stored"],
+              [[t["stages"], t["micro"], t["bubble"], t["bubble_1f1b"], t["stored_gpipe"],
+                t["stored_1f1b"]] for t in p["tables"]]), ""]
+
+
 def overlap_report(o, why, a, a_why, check):
     """Communication that overlaps computation (simulated network) and what the
     asynchronous calls cost where nothing overlaps (shared memory)."""
@@ -436,11 +460,18 @@ def overlap_report(o, why, a, a_why, check):
             "all-reduces the gradient after the backward pass (`allreduce_gradients`); "
             f"`overlapped` reduces it in buckets of {mlp['bucket_bytes']} bytes inside the "
             "backward pass (`sync_gradients`). `allreduce`: the whole gradient's allreduce "
-            "alone.", "",
-            table(["compute s", "after s", "overlapped s", "allreduce alone s",
+            "alone. ZeRO: the same step with `sharded_optimizer(optax.sgd)`, one "
+            "reduce_scatter and one allgather per dtype synchronous (`after`), or in the "
+            "same buckets asynchronous (`overlapped`: the reduce_scatters travel during the "
+            "backward pass, the allgathers of the updates after it).", "",
+            table(["step", "compute s", "after s", "overlapped s", "allreduce alone s",
                    "after / compute", "overlapped / compute"],
-                  [[mlp["compute"], mlp["after"], mlp["overlapped"], mlp["allreduce"],
-                    mlp["after"] / mlp["compute"], mlp["overlapped"] / mlp["compute"]]]), "",
+                  [["allreduce", mlp["compute"], mlp["after"], mlp["overlapped"],
+                    mlp["allreduce"], mlp["after"] / mlp["compute"],
+                    mlp["overlapped"] / mlp["compute"]],
+                   ["ZeRO", mlp["compute"], mlp["zero_after"], mlp["zero_overlapped"], None,
+                    mlp["zero_after"] / mlp["compute"],
+                    mlp["zero_overlapped"] / mlp["compute"]]]), "",
             "Halo exchange: 2-D reaction-diffusion on a grid split by rows, one halo row of "
             f"{o['halo'][0]['halo_bytes']} bytes to and from each neighbour per step "
             "(`vjpmpi.sendrecv`, two chained calls); the interior rows, computed in 4 "
@@ -555,6 +586,7 @@ def main():
         net, net_why = run_part("net", args.ranks, args.quick, 300, work, env=network_env())
         asy, asy_why = run_part("async", 2, args.quick, 300, work)
         ovl, ovl_why = run_overlap(args.quick, work)
+        pipe, pipe_why = run_part("pipeline", 2, args.quick, 300, work)
         nonlinear = []
         for ranks in NONLINEAR_RANKS:
             part, why = run_part("nonlinear", ranks, args.quick, 300, work)
@@ -572,6 +604,7 @@ def main():
     m["net"], m["net_why"] = net, net_why
     m["async"], m["async_why"] = asy, asy_why
     m["overlap"], m["overlap_why"] = ovl, ovl_why
+    m["pipeline"], m["pipeline_why"] = pipe, pipe_why
     import mpi4py
 
     m["mpi4py"] = mpi4py.__version__

@@ -665,19 +665,23 @@ NET_VARS = ("MPIR_CVAR_NOLOCAL", "MPIR_CVAR_CH4_NETMOD", "FI_PROVIDER", "OMPI_MC
 
 # ------------------------------------------------------------------- overlap --
 def _steps(cases, reps):
-    """Median seconds per call of each (function, args) case, in turn within each
+    """Median seconds per call of each case, `name: (function, args, threshold)` (the
+    vjpmpi.async_threshold it runs under: None, synchronous), in turn within each
     repetition (after a warm-up call each), so that drift hits every case alike."""
     import jax
+    import vjpmpi
 
-    for f, args in cases.values():
-        jax.block_until_ready(f(*args))
+    for f, args, threshold in cases.values():
+        with vjpmpi.async_threshold(threshold):
+            jax.block_until_ready(f(*args))
     times = {k: [] for k in cases}
     for _ in range(reps):
-        for k, (f, args) in cases.items():
-            COMM.Barrier()
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times[k].append(time.perf_counter() - t0)
+        for k, (f, args, threshold) in cases.items():
+            with vjpmpi.async_threshold(threshold):
+                COMM.Barrier()
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(*args))
+                times[k].append(time.perf_counter() - t0)
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
@@ -690,6 +694,7 @@ def _dp_mlp(quick):
     import equinox as eqx
     import jax
     import jax.numpy as jnp
+    import optax
     import vjpmpi
     import vjpmpi.nn
 
@@ -720,18 +725,28 @@ def _dp_mlp(quick):
         g = jax.grad(lambda m: loss(vjpmpi.nn.sync_gradients(m, bucket_bytes=bucket), x, y))(m)
         return update(m, g)
 
+    def zero(bucket_bytes):  # ZeRO-2: reduce_scatter the gradient, allgather the update
+        opt = vjpmpi.nn.sharded_optimizer(optax.sgd(1e-3), bucket_bytes=bucket_bytes)
+
+        @jax.jit
+        def step(m, s, x, y):
+            u, s = opt.update(jax.grad(loss)(m, x, y), s, m)
+            return optax.apply_updates(m, u), s
+
+        return step, (params, opt.init(params), x, y)
+
     flat = vjpmpi.nn.allreduce_gradients  # the same message alone, for scale
     grads = jax.grad(loss)(params, x, y)
     comm_only = jax.jit(flat)
-    with vjpmpi.async_threshold(None):
-        sync = _steps({"compute": (compute_only, (params, x, y)),
-                       "after": (after, (params, x, y)),
-                       "allreduce": (comm_only, (grads,))}, reps)
-    with vjpmpi.async_threshold(ASYNC):
-        t = _steps({"overlapped": (overlapped, (params, x, y))}, reps)
+    t = _steps({"compute": (compute_only, (params, x, y), None),
+                "after": (after, (params, x, y), None),
+                "overlapped": (overlapped, (params, x, y), ASYNC),
+                "allreduce": (comm_only, (grads,), None),
+                "zero_after": (*zero(None), None), "zero_overlapped": (*zero(bucket), ASYNC)},
+               reps)
     n_params = sum(p.size for p in jax.tree_util.tree_leaves(params))
     return {"width": width, "layers": depth + 1, "batch": batch, "params": int(n_params),
-            "bucket_bytes": bucket, **sync, **t}
+            "bucket_bytes": bucket, **t}
 
 
 def _halo(quick, rows):
@@ -789,12 +804,11 @@ def _halo(quick, rows):
         return jax.jit(run)
 
     u = jnp.asarray(np.random.default_rng(RANK).random((rows, cols)).astype(np.float32))
-    with vjpmpi.async_threshold(None):
-        sync = _steps({"compute": (loop(local), (u,)), "after": (loop(exchange), (u,))}, reps)
-    with vjpmpi.async_threshold(ASYNC):
-        t = _steps({"overlapped": (loop(exchange), (u,))}, reps)
+    exchanged = loop(exchange)
+    t = _steps({"compute": (loop(local), (u,), None), "after": (exchanged, (u,), None),
+                "overlapped": (exchanged, (u,), ASYNC)}, reps)
     return {"rows": rows, "cols": cols, "steps": steps, "halo_bytes": cols * 4,
-            **{k: v / steps for k, v in {**sync, **t}.items()}}
+            **{k: v / steps for k, v in t.items()}}
 
 
 ASYNC = 1 << 16  # the threshold the overlap and async parts set (opt-in: off by default)
@@ -843,6 +857,70 @@ def overlap_part(quick):
             "env": {k: os.environ.get(k) for k in NET_VARS if k in os.environ},
             "link": os.environ.get("VJPMPI_SIMNET_RATE"),
             "mlp": _dp_mlp(quick), "halo": [_halo(quick, rows) for rows in (32, 16)]}
+
+
+# ------------------------------------------------------------------ pipeline --
+def pipeline_part(quick):
+    """Pipeline parallelism, one stage per rank (run.py runs it at 2 ranks, one per
+    core): each rank's step in the pipeline against its stage's work alone (the same
+    forward and backward passes over the micro-batches, no messages), for GPipe and
+    1F1B. Measured bubble: 1 - alone / pipelined, against the table's
+    (p - 1) / (m + p - 1)."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import vjpmpi.nn as vnn
+
+    class Dense(eqx.Module):
+        layers: tuple
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = jnp.tanh(jax.vmap(layer)(x))
+            return x
+
+    width, depth, batch, reps = (32, 2, 8, 3) if quick else (512, 4, 128, 7)
+    micros = (1, 2, 4) if quick else (1, 2, 4, 8, 16)
+    keys = jax.random.split(jax.random.PRNGKey(RANK), depth)
+    stage = Dense(tuple(eqx.nn.Linear(width, width, key=k) for k in keys))
+    rng = np.random.default_rng(RANK)
+
+    def loss(y, t):
+        return jnp.mean((y - t) ** 2)
+
+    def alone(st, xs, ts):  # the stage's own passes, as the pipeline runs them
+        total = jax.tree_util.tree_map(jnp.zeros_like, st)
+        for i in range(xs.shape[0]):
+            y, pull = eqx.filter_vjp(lambda m, x=xs[i]: m(x), st)
+            ct = jax.grad(loss)(y, ts[i]) if RANK == SIZE - 1 else jnp.ones_like(y)
+            total = jax.tree_util.tree_map(jnp.add, total, pull(ct)[0])
+        return total
+
+    rows = []
+    for m in micros:
+        xs = jnp.asarray(rng.standard_normal((m, batch, width)).astype(np.float32))
+        act = jax.ShapeDtypeStruct((batch, width), jnp.float32)
+        cases = {"alone": (jax.jit(alone), (stage, xs, xs), None)}
+        for name, make in (("gpipe", vnn.gpipe), ("1f1b", vnn.one_f_one_b)):
+            sched = make(SIZE, m)
+            cases[name] = (jax.jit(lambda st, x, t, sched=sched: vnn.pipeline_value_and_grad(
+                st, loss, x if RANK == 0 else None, t if RANK == SIZE - 1 else None,
+                schedule=sched, activation=act)), (stage, xs, xs), None)
+        t = _steps(cases, reps)
+        every = COMM.allgather(t)
+        row = {"micro": m, "ideal": (SIZE - 1) / (m + SIZE - 1)}
+        for name in ("gpipe", "1f1b"):
+            row[name] = float(np.mean([e[name] for e in every]))
+            row[name + "_bubble"] = float(np.mean([1 - e["alone"] / e[name] for e in every]))
+        row["alone"] = float(np.mean([e["alone"] for e in every]))
+        rows.append(row)
+    tables = [{"stages": p, "micro": m, "bubble": vnn.gpipe(p, m).bubble,
+               "bubble_1f1b": vnn.one_f_one_b(p, m).bubble,
+               "stored_gpipe": max(vnn.gpipe(p, m).stored(s) for s in range(p)),
+               "stored_1f1b": max(vnn.one_f_one_b(p, m).stored(s) for s in range(p))}
+              for p in (2, 4, 8) for m in (p, 4 * p)]
+    return {"ranks": SIZE, "width": width, "layers": depth, "batch": batch,
+            "measured": rows, "tables": tables}
 
 
 # ---------------------------------------------------------------------- gloo --
@@ -895,14 +973,15 @@ def gloo_part(quick):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", choices=("main", "gloo", "check", "gpu", "net", "nonlinear",
-                                           "memory", "fft", "overlap", "async"),
+                                           "memory", "fft", "overlap", "async", "pipeline"),
                         default="main")
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     part = {"main": main_part, "gloo": gloo_part, "check": check_part, "gpu": gpu_part,
             "net": net_part, "nonlinear": nonlinear_part, "memory": memory_part,
-            "fft": fft_part, "overlap": overlap_part, "async": async_part}[args.part]
+            "fft": fft_part, "overlap": overlap_part, "async": async_part,
+            "pipeline": pipeline_part}[args.part]
     result = part(args.quick)
     if RANK == 0:
         with open(args.json, "w") as fh:

@@ -1,15 +1,21 @@
-"""Train a small transformer language model with tensor and data parallelism, and check
-it against the same model trained on one process.
+"""Train a small transformer language model with pipeline, tensor and data parallelism,
+and check it against the same model trained on one process.
 
-    mpiexec -n 4 python examples/train_lm.py     # 2 data-parallel x 2 tensor-parallel ranks
+    mpiexec -n 4 python examples/train_lm.py               # 2 data x 2 tensor parallel
+    mpiexec -n 4 python examples/train_lm.py --pipeline 2  # 2 pipeline stages x 2 tensor
+    mpiexec -n 8 python examples/train_lm.py --pipeline 2  # 2 x 2 x 2: the 3-D grid
 
-The ranks form a 2-D grid (two `Comm.Split`s): tensor-parallel groups of `tp` ranks
-(2 when the rank count is even) split the heads, the MLP units and the vocabulary
+The ranks form a grid of `pipeline` stages x data-parallel groups x tensor-parallel
+groups (`Comm.Split`s): tensor-parallel groups of `tp` ranks (2 when the ranks per
+stage are even) split the heads, the MLP units and the vocabulary
 (`ParallelMultiheadAttention`, `ParallelMLP`, `VocabParallelEmbedding`, a
 `ColumnParallelLinear` head and `vocab_parallel_cross_entropy`: the full-vocabulary
 logits are never gathered); the data-parallel groups across them train on different
-batches, and `sharded_optimizer` keeps 1/dp of the Adam state on each rank. The text
-is character-level: Python's own help pages (`pydoc_data`, shipped with CPython), so
+batches, and `sharded_optimizer` keeps 1/dp of the Adam state on each rank. With
+`--pipeline p` the model has p transformer blocks, one per stage (the embedding on the
+first, the head and the loss on the last), and each step runs the batch as
+micro-batches under the 1F1B schedule (`pipeline_value_and_grad`). The text is
+character-level: Python's own help pages (`pydoc_data`, shipped with CPython), so
 nothing is downloaded. Rank 0 shows a progress bar, writes a loss-curve PNG and
 compares with plain equinox on one process trained on the same global batches.
 """
@@ -46,44 +52,82 @@ def corpus(chars=200_000):
     return np.array([index[c] for c in text], np.int32), alphabet
 
 
-class LM(eqx.Module):
-    """Embedding + learned positions, one pre-norm transformer block, final norm, head."""
+class Block(eqx.Module):
+    """One pre-norm transformer block."""
 
-    embed: eqx.Module
-    pos: jax.Array
     norm1: eqx.nn.LayerNorm
     attn: eqx.Module
     norm2: eqx.nn.LayerNorm
     mlp: eqx.Module
-    norm_f: eqx.nn.LayerNorm
-    head: eqx.Module
 
-    def __call__(self, ids):  # (SEQ,) -> logits (SEQ, vocab), or this rank's vocab block
-        x = jax.vmap(self.embed)(ids) + self.pos
+    def __call__(self, x):  # (SEQ, DIM) -> (SEQ, DIM)
         h = jax.vmap(self.norm1)(x)
         x = x + self.attn(h, h, h, MASK)  # self-attention: one backward allreduce
-        x = x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
-        return jax.vmap(self.head)(jax.vmap(self.norm_f)(x))
+        return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
 
 
-def dense_model(vocab, key):
+class LM(eqx.Module):
+    """Embedding + learned positions, transformer blocks, final norm, head; or a run of
+    them (a pipeline stage: the embedding on the first only, the head on the last)."""
+
+    embed: eqx.Module | None
+    pos: jax.Array | None
+    blocks: tuple
+    norm_f: eqx.nn.LayerNorm | None
+    head: eqx.Module | None
+
+    def __call__(self, x):  # ids (SEQ,) or activations (SEQ, DIM) -> activations or logits
+        if self.embed is not None:  # (SEQ, vocab) logits, or this rank's vocab block
+            x = jax.vmap(self.embed)(x) + self.pos
+        for block in self.blocks:
+            x = block(x)
+        if self.head is not None:
+            x = jax.vmap(self.head)(jax.vmap(self.norm_f)(x))
+        return x
+
+
+def dense_model(vocab, key, depth=1):
     k = jax.random.split(key, 5)
+    blocks = tuple(Block(eqx.nn.LayerNorm(DIM), eqx.nn.MultiheadAttention(
+                             HEADS, DIM, key=jax.random.fold_in(k[2], i) if i else k[2]),
+                         eqx.nn.LayerNorm(DIM), eqx.nn.MLP(
+                             DIM, DIM, WIDTH, depth=1, key=jax.random.fold_in(k[3], i) if i else k[3]))
+                   for i in range(depth))
     return LM(eqx.nn.Embedding(vocab, DIM, key=k[0]), 0.02 * jax.random.normal(k[1], (SEQ, DIM)),
-              eqx.nn.LayerNorm(DIM), eqx.nn.MultiheadAttention(HEADS, DIM, key=k[2]),
-              eqx.nn.LayerNorm(DIM), eqx.nn.MLP(DIM, DIM, WIDTH, depth=1, key=k[3]),
-              eqx.nn.LayerNorm(DIM), eqx.nn.Linear(DIM, vocab, key=k[4]))
+              blocks, eqx.nn.LayerNorm(DIM), eqx.nn.Linear(DIM, vocab, key=k[4]))
+
+
+def stage_of(model, s, stages):
+    """Pipeline stage s of `stages`: block s, with the embedding first and the head last."""
+    first, last = s == 0, s == stages - 1
+    return LM(model.embed if first else None, model.pos if first else None,
+              model.blocks[s:s + 1] if stages > 1 else model.blocks,
+              model.norm_f if last else None, model.head if last else None)
 
 
 def parallel_model(dense, tp):
-    return LM(vnn.VocabParallelEmbedding.from_dense(dense.embed, tp), dense.pos, dense.norm1,
-              vnn.ParallelMultiheadAttention.from_dense(dense.attn, tp), dense.norm2,
-              vnn.ParallelMLP.from_dense(dense.mlp, tp), dense.norm_f,
-              vnn.ColumnParallelLinear.from_dense(dense.head, tp))
+    def block(b):
+        return Block(b.norm1, vnn.ParallelMultiheadAttention.from_dense(b.attn, tp), b.norm2,
+                     vnn.ParallelMLP.from_dense(b.mlp, tp))
+
+    return LM(None if dense.embed is None else vnn.VocabParallelEmbedding.from_dense(dense.embed, tp),
+              dense.pos, tuple(block(b) for b in dense.blocks), dense.norm_f,
+              None if dense.head is None else vnn.ColumnParallelLinear.from_dense(dense.head, tp))
 
 
 def gathered(model):
-    return LM(model.embed.to_dense(), model.pos, model.norm1, model.attn.to_dense(), model.norm2,
-              model.mlp.to_dense(), model.norm_f, model.head.to_dense())
+    def block(b):
+        return Block(b.norm1, b.attn.to_dense(), b.norm2, b.mlp.to_dense())
+
+    return LM(None if model.embed is None else model.embed.to_dense(), model.pos,
+              tuple(block(b) for b in model.blocks), model.norm_f,
+              None if model.head is None else model.head.to_dense())
+
+
+def joined(stages):
+    """The whole model from its stages (in order)."""
+    return LM(stages[0].embed, stages[0].pos, sum((s.blocks for s in stages), ()),
+              stages[-1].norm_f, stages[-1].head)
 
 
 def batches(ids, steps, batch):
@@ -92,16 +136,34 @@ def batches(ids, steps, batch):
     return ids[starts[..., None] + np.arange(SEQ + 1)]
 
 
-def train(model, data, xent, opt, progress=None, mean_over=None):
+def train(model, data, xent, opt, progress=None, mean_over=None, pipeline=None):
+    """Adam steps over `data` ((steps, batch, SEQ + 1) windows); with `pipeline` (a
+    `(comm, micro)` pair), `model` is this rank's stage, run by the 1F1B schedule."""
     state = opt.init(eqx.filter(model, eqx.is_inexact_array))
 
     def loss_fn(m, windows):
         logits = jax.vmap(m)(windows[:, :-1])
         return jnp.mean(jax.vmap(xent)(logits, windows[:, 1:]))
 
+    if pipeline is None:
+        value_and_grad = eqx.filter_value_and_grad(loss_fn)
+    else:
+        comm, micro = pipeline
+        first, last = comm.rank == 0, comm.rank == comm.size - 1
+        schedule = vnn.one_f_one_b(comm.size, micro)
+
+        def value_and_grad(m, windows):  # windows: this data group's batch
+            mb = windows.reshape(micro, -1, SEQ + 1)  # micro-batches
+            act = jax.ShapeDtypeStruct((mb.shape[1], SEQ, DIM), m.blocks[0].norm1.weight.dtype)
+            loss, grads = vnn.pipeline_value_and_grad(
+                Batched(m), lambda lg, y: jnp.mean(jax.vmap(xent)(lg, y)),
+                mb[:, :, :-1] if first else None, mb[:, :, 1:] if last else None,
+                schedule=schedule, activation=act, comm=comm)
+            return loss, grads.model
+
     @eqx.filter_jit
     def step(m, s, windows):
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(m, windows)
+        loss, grads = value_and_grad(m, windows)
         updates, s = opt.update(grads, s, eqx.filter(m, eqx.is_inexact_array))
         return eqx.apply_updates(m, updates), s, loss
 
@@ -116,6 +178,15 @@ def train(model, data, xent, opt, progress=None, mean_over=None):
     return model, losses
 
 
+class Batched(eqx.Module):
+    """A stage applied to a micro-batch."""
+
+    model: LM
+
+    def __call__(self, x):
+        return jax.vmap(self.model)(x)
+
+
 def max_param_diff(a, b):
     """The largest difference between two models' parameters (same structure required)."""
     (la, ta), (lb, tb) = (jax.tree_util.tree_flatten(eqx.filter(m, eqx.is_inexact_array))
@@ -125,32 +196,46 @@ def max_param_diff(a, b):
     return max(float(jnp.max(jnp.abs(u - v))) for u, v in zip(la, lb, strict=True))
 
 
-def main(steps=150, batch=12, lr=3e-3, out="examples/out/train_lm.png", show=True):
+def main(steps=150, batch=12, lr=3e-3, pipeline=1, micro=3, out="examples/out/train_lm.png",
+         show=True):
     size, rank = COMM.size, COMM.rank
-    tp = 2 if size % 2 == 0 else 1
-    dp = size // tp
-    if batch % dp:
-        raise ValueError(f"train_lm: the batch of {batch} does not split over {dp} data-parallel groups")
-    tp_comm = COMM.Split(color=rank // tp, key=rank)  # ranks sharing one batch
-    dp_comm = COMM.Split(color=rank % tp, key=rank)  # ranks holding the same shards
+    if pipeline < 1 or size % pipeline:
+        raise ValueError(f"train_lm: {size} ranks do not split into {pipeline} pipeline stages")
+    per_stage = size // pipeline
+    tp = 2 if per_stage % 2 == 0 else 1
+    dp = per_stage // tp
+    if batch % dp or (pipeline > 1 and (batch // dp) % micro):
+        raise ValueError(f"train_lm: the batch of {batch} does not split over {dp} data-parallel "
+                         f"groups" + (f" into {micro} micro-batches" if pipeline > 1 else ""))
+    # rank = (stage * dp + data group) * tp + tensor index
+    stage, group, shard = rank // per_stage, (rank // tp) % dp, rank % tp
+    tp_comm = COMM.Split(color=rank // tp, key=rank)  # ranks sharing one batch and stage
+    dp_comm = COMM.Split(color=stage * tp + shard, key=rank)  # ranks holding the same shards
+    pp_comm = COMM.Split(color=group * tp + shard, key=stage)  # one rank per stage
     ids, alphabet = corpus()
     data = batches(ids, steps, batch)
-    mine = data[:, dp_comm.rank * (batch // dp):(dp_comm.rank + 1) * (batch // dp)]
+    mine = data[:, group * (batch // dp):(group + 1) * (batch // dp)]
 
-    dense = dense_model(len(alphabet), jax.random.PRNGKey(0))
-    parallel = parallel_model(dense, tp_comm)
+    dense = dense_model(len(alphabet), jax.random.PRNGKey(0), depth=pipeline)
+    parallel = parallel_model(stage_of(dense, stage, pipeline), tp_comm)
     opt = vnn.sharded_optimizer(optax.adam(lr), comm=dp_comm)
     xent = lambda lg, y: vnn.vocab_parallel_cross_entropy(lg, y, tp_comm)  # noqa: E731
     progress = None
+    grid = f"{dp} data x {tp} tensor parallel"
+    if pipeline > 1:
+        grid = f"{pipeline} pipeline x " + grid
     if show and rank == 0:
         from tqdm import tqdm
 
-        progress = tqdm(total=steps, mininterval=0.5,
-                        desc=f"LM on {size} ranks ({dp} data x {tp} tensor parallel)")
-    parallel, losses = train(parallel, mine, xent, opt, progress, mean_over=dp_comm)
+        progress = tqdm(total=steps, mininterval=0.5, desc=f"LM on {size} ranks ({grid})")
+    parallel, losses = train(parallel, mine, xent, opt, progress, mean_over=dp_comm,
+                             pipeline=(pp_comm, micro) if pipeline > 1 else None)
     if progress is not None:
         progress.close()
-    trained = gathered(parallel)  # collective over each tensor-parallel group
+    mine = gathered(parallel)  # collective over each tensor-parallel group
+    stages = pp_comm.gather(jax.tree_util.tree_map(np.asarray, eqx.filter(mine, eqx.is_array)),
+                            root=0)  # every stage's arrays to rank 0
+    trained = joined(stages) if rank == 0 else None
 
     def reference_run():  # the same model and global batches, plain equinox on one process
         reference, ref_losses = train(dense, data, optax.softmax_cross_entropy_with_integer_labels,
@@ -159,7 +244,7 @@ def main(steps=150, batch=12, lr=3e-3, out="examples/out/train_lm.png", show=Tru
 
     ref = on_one_rank(reference_run, COMM)
     ref_losses = ref["ref_losses"]
-    result = {"tp": tp, "dp": dp, "final_loss": losses[-1], "first_loss": losses[0],
+    result = {"pp": pipeline, "tp": tp, "dp": dp, "final_loss": losses[-1], "first_loss": losses[0],
               "reference_final_loss": ref_losses[-1], "max_param_diff": ref["max_param_diff"],
               "max_loss_diff": float(np.max(np.abs(np.subtract(losses, ref_losses))))}
     if rank == 0:
@@ -167,18 +252,20 @@ def main(steps=150, batch=12, lr=3e-3, out="examples/out/train_lm.png", show=Tru
               f"{ref_losses[-1]:.4f}; largest loss difference {result['max_loss_diff']:.2e}, "
               f"largest parameter difference {result['max_param_diff']:.2e}")
         if out:
-            save_loss_curves(out, {f"vjpmpi, {dp} data x {tp} tensor parallel": losses,
+            save_loss_curves(out, {f"vjpmpi, {grid}": losses,
                                    "single process": ref_losses},
                              "Character-level transformer on Python's help pages",
                              "cross-entropy (nats per character)")
-    tp_comm.Free()
-    dp_comm.Free()
+    for comm in (tp_comm, dp_comm, pp_comm):
+        comm.Free()
     return result
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--pipeline", type=int, default=1, help="pipeline stages (default 1)")
+    parser.add_argument("--micro", type=int, default=3, help="micro-batches per step (pipeline)")
     parser.add_argument("--out", default="examples/out/train_lm.png")
     args = parser.parse_args()
-    main(steps=args.steps, out=args.out)
+    main(steps=args.steps, pipeline=args.pipeline, micro=args.micro, out=args.out)

@@ -60,16 +60,25 @@ def test_benchmark_suite_smoke(tmp_path):
     # the overlap part (shared memory in the smoke run) and the asynchronous calls' cost
     ovl, asy = main["overlap"], main["async"]
     assert ovl is not None, main["overlap_why"]
-    assert all(ovl["mlp"][k] > 0 for k in ("compute", "after", "overlapped", "allreduce"))
+    assert all(ovl["mlp"][k] > 0 for k in ("compute", "after", "overlapped", "allreduce",
+                                           "zero_after", "zero_overlapped"))
     assert [h["rows"] for h in ovl["halo"]] == [8, 8]
     assert all(h[k] > 0 for h in ovl["halo"] for k in ("compute", "after", "overlapped"))
     assert asy is not None, main["async_why"]
     assert [r["bytes"] for r in asy["rows"]] == [64, 1 << 16]
     assert all(r[k] > 0 for r in asy["rows"] for k in ("sync", "default", "async"))
+    # the pipeline's bubble at 2 stages, measured, and the tables' at 2-8 stages
+    pipe = main["pipeline"]
+    assert pipe is not None and pipe["ranks"] == 2, main["pipeline_why"]
+    assert [r["micro"] for r in pipe["measured"]] == [1, 2, 4]
+    assert all(r[k] > 0 for r in pipe["measured"] for k in ("alone", "gpipe", "1f1b"))
+    assert [(t["stages"], t["micro"]) for t in pipe["tables"]] == [
+        (2, 2), (2, 8), (4, 4), (4, 16), (8, 8), (8, 32)]
     text = (tmp_path / "results.md").read_text()
     assert "## Nonlinear derivatives" in text and "## Peak memory" in text
     assert "## Distributed FFT" in text
     assert "## Network path: shared memory off" in text
     assert "## Overlap: communication while XLA computes" in text
+    assert "## Pipeline parallelism: the bubble" in text
     assert "## Targets:" in text and "| target | measured | met |" in text
     assert (tmp_path / "results.png").stat().st_size > 10_000

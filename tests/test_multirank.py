@@ -11,7 +11,8 @@ The jobs:
             derivatives and order hold on the communicators' threads;
   8         (oversubscribed) the files of WIDE, whose algorithms depend on the rank
             count, without their tests marked `narrow` (work that does not change past
-            4 ranks: dtype coverage, vmap, checkpoint, second derivatives).
+            4 ranks: dtype coverage, vmap, checkpoint, second derivatives), and the
+            pipeline x tensor x data grid (2 x 2 x 2).
 
 Within a session the ranks of every job share compiled programs (one compile per
 distinct program: tests/mpi/_shared_compiles.py), and a job with more ranks than cores
@@ -84,7 +85,7 @@ JOB_ENV = {3: {"VJPMPI_CHECK": "1", "VJPMPI_TIMEOUT": "300", "VJPMPI_ASYNC_BYTES
 # Rank counts past 4 (oversubscribed) and the files that run there, each without its
 # tests marked `narrow`: the nonlinear derivatives' scans over the ranks and the
 # adjoints of every linear op and root, at a count of ranks past 4.
-WIDE = {8: ("mpi/test_nonlinear.py", "mpi/test_autodiff.py")}
+WIDE = {8: ("mpi/test_nonlinear.py", "mpi/test_autodiff.py", "mpi/test_pipeline_grid.py")}
 # Files that run at some of 1-4 ranks only (default: all four). The examples and the
 # mpi4jax namespace are built on collectives the core files test at every count; a
 # one-rank run of the layers repeats the dense layer, and the CUDA lowering tests only
@@ -106,6 +107,7 @@ ONLY_AT = {
     "mpi/test_compat.py": (1, 2, 4),
     # (each stage compiles programs of its own: at 3 and 4 ranks a subset, AT_WIDE)
     "mpi/test_pipeline.py": (2, 3, 4),
+    "mpi/test_pipeline_grid.py": (),  # (8 ranks: the 3-D grid, WIDE)
     "mpi/test_cuda_lowering.py": (2,),
     # rank-count-independent logic (fuzzed programs, failure modes, runtime, API): not
     # at the odd count; the fuzzed programs' rank-dependent parts need two ranks or more,

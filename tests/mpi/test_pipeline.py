@@ -4,21 +4,26 @@ loss and every parameter gradient (float64, 1e-12), for GPipe and 1F1B, micro-ba
 counts below and above the stage count, stages of different depths and boundary
 shapes, dropout keys; 10 SGD steps; the messages each rank runs against the table
 (VJPMPI_TRACE); what XLA compiles holding a bounded number of micro-batches under 1F1B;
-bad arguments failing on every rank; and pipeline x data parallelism at 4 ranks."""
+bad arguments failing on every rank; and pipeline x data parallelism (allreduce_gradients
+and sharded_optimizer) and pipeline x tensor parallelism at 4 ranks (the 3-D grid:
+test_pipeline_grid.py, at 8)."""
 
 import functools
 import os
+import re
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import vjpmpi
 import vjpmpi.nn as vnn
 
 from helpers import WORLD, assert_trees_close
+from hlo_order import _ancestors, parse
 
 rank, size = WORLD.rank, WORLD.size
 SCHEDULES = {"gpipe": vnn.gpipe, "1f1b": vnn.one_f_one_b}
@@ -179,10 +184,11 @@ def test_checkpointed_stage_is_exact():
 # ------------------------------------------------------ messages and memory --
 def expected_calls(sch, s):
     """The kernel calls stage `s` runs for `sch`, from the table alone: per step it
-    takes part in, the step's clock (a sendrecv with no peer), one more per gradient
-    leaf after a backward pass, then the activation message (sendrecv when it both
-    sends and receives at once) and the cotangent message; the agreement first and the
-    loss's bcast last (neither on one rank)."""
+    takes part in, the step's clock (a sendrecv with no peer), on the last stage one
+    more per pass (the loss held in its forward step, the cotangent in its backward
+    step), one more per gradient leaf after a backward pass, then the activation
+    message (sendrecv when it both sends and receives at once) and the cotangent
+    message; the agreement first and the loss's bcast last (neither on one rank)."""
     calls = ["agree"] if sch.stages > 1 else []
     n_leaves = 2 * (s % 2 + 1)
     for row in sch.grid():
@@ -196,12 +202,55 @@ def expected_calls(sch, s):
         if mine is None and not (recv_f or recv_b):
             continue
         calls.append("sendrecv")
+        if mine is not None and s == sch.stages - 1:
+            calls.append("sendrecv")
         if mine is not None and mine.kind == "B":
             calls += ["sendrecv"] * n_leaves
         for out, inc in ((send_f, recv_f), (send_b, recv_b)):
             calls += (["sendrecv"] if out and inc else ["send"] if out else
                       ["recv"] if inc else [])
     return calls + (["bcast"] if sch.stages > 1 else [])
+
+
+def _backward_fusions(text):
+    """The entry computation's instructions, and those whose computation runs a matmul
+    of a backward pass (XLA's op_name: `transpose(jvp(...))`)."""
+    comps, entry = parse(text)
+    backward, current = set(), None
+    for line in text.splitlines():
+        head = re.match(r"(?:ENTRY )?%(\S+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            current = head.group(1)
+        elif current and " dot(" in line and "transpose(" in line:
+            backward.add(current)
+    instrs = comps[entry]
+    return instrs, [i for i in instrs if i.name in backward or set(i.called) & backward]
+
+
+@pytest.mark.skipif(size != 2, reason="2 stages: the last one's forward steps all come "
+                    "before its backward steps (GPipe)")
+def test_last_stage_runs_each_backward_pass_in_its_step():
+    """The last stage makes each micro-batch's cotangent in its forward step (from the
+    loss), yet runs the backward pass in the table's backward step: under GPipe every
+    backward matmul there depends on the last receive of the forward steps. (XLA ran
+    them right after each forward pass: the last stage's forward steps then took both
+    passes while the first stage waited, and 2 stages took twice their work.)"""
+    m, width, batch = 3, 64, 32  # (matmuls large enough to stay matmuls)
+    stage = Dense(tuple(eqx.nn.Linear(width, width, key=k, dtype=jnp.float32)
+                        for k in jax.random.split(jax.random.PRNGKey(rank), 2)))
+    xs = jnp.zeros((m, batch, width), jnp.float32)
+    sch = vnn.gpipe(2, m)
+    text = jax.jit(lambda st, x: vnn.pipeline_value_and_grad(
+        st, loss_fn, x, x, schedule=sch,
+        activation=jax.ShapeDtypeStruct((batch, width), jnp.float32))).lower(
+            stage, xs).compile().as_text()
+    instrs, backward = _backward_fusions(text)
+    anc = _ancestors(instrs)
+    recvs = [i.name for i in instrs if i.target == "vjpmpi_recv"]
+    if rank == 1:
+        assert len(recvs) == m and backward
+        late = [b.name for b in backward if recvs[-1] in anc(b.name)]
+        assert late == [b.name for b in backward], [b.name for b in backward]
 
 
 @pytest.mark.skipif(os.environ.get("VJPMPI_TRACE") != "1", reason="needs VJPMPI_TRACE=1")
@@ -302,12 +351,18 @@ def test_pipeline_times_data_parallel():
     f = eqx.filter_jit(lambda st, x, t: vnn.pipeline_value_and_grad(
         st, loss_fn, x, t, schedule=vnn.one_f_one_b(2, m), activation=boundaries(2),
         comm=stage_comm))
-    loss, g = f(stages[s], xs[d], ts[d])
-    g = vnn.allreduce_gradients(g, comm=data_comm, mean=True)
+    loss, local = f(stages[s], xs[d], ts[d])
+    g = vnn.allreduce_gradients(local, comm=data_comm, mean=True)
     wants = [one_process(stages, xs[k], ts[k], None) for k in range(2)]
     np.testing.assert_allclose(float(loss), float(wants[d][0]), rtol=1e-12)
     want = jax.tree_util.tree_map(lambda a, b: (a + b) / 2, wants[0][1][s], wants[1][1][s])
     assert_trees_close(g, want, rtol=1e-12, atol=1e-14)
+    # ZeRO over each stage's data group: the step is -lr times the mean gradient
+    params = eqx.filter(stages[s], eqx.is_inexact_array)
+    opt = vnn.sharded_optimizer(optax.sgd(0.1), comm=data_comm)
+    update, _ = eqx.filter_jit(opt.update)(local, opt.init(params), params)
+    assert_trees_close(update, jax.tree_util.tree_map(lambda a: -0.1 * a, want),
+                       rtol=1e-12, atol=1e-14)
     stage_comm.Free()
     data_comm.Free()
 

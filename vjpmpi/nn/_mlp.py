@@ -13,7 +13,7 @@ from .._mpi import RED_NAMES, SUM, CommRef, as_comm
 from .._ops import allreduce, use_replicated
 from ._linear import ColumnParallelLinear, RowParallelLinear
 from ._sequence import gather_sequence, replicated, scatter_sequence_sum
-from ._shard import comm_ref, concat, dtype_groups, split_into
+from ._shard import bucket_bytes_arg, buckets, comm_ref, concat, dtype_groups, split_into
 
 
 def _identity(x):
@@ -140,33 +140,6 @@ class ParallelMLP(eqx.Module):
         return x
 
 
-def _bucket_bytes(value, op: str) -> int | None:
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-        return value
-    raise ValueError(f"vjpmpi.nn.{op}: `bucket_bytes` must be a positive int or None, "
-                     f"got {value!r}")
-
-
-def _buckets(leaves, groups, cap: int | None) -> list[list[int]]:
-    """The inexact leaves (`groups`: positions by dtype) in buckets of one dtype, each a
-    run of at most `cap` bytes cut from the group's last leaf back (a larger leaf is a
-    bucket of its own; None: one per dtype), the bucket holding the last leaf first:
-    the order a backward pass produces the gradients of parameters used in tree order."""
-    out: list[list[int]] = []
-    for idx in groups.values():
-        run: list[int] = []
-        size = 0
-        for i in reversed(idx):
-            n = leaves[i].size * leaves[i].dtype.itemsize
-            if run and cap is not None and size + n > cap:
-                out.append(run[::-1])
-                run, size = [], 0
-            run.append(i)
-            size += n
-        out.append(run[::-1])
-    return sorted(out, key=lambda bucket: -bucket[-1])
-
-
 def allreduce_gradients(grads: PyTree, *, mean: bool = True, bucket_bytes: int | None = None,
                         comm=None) -> PyTree:
     """All-reduce (mean or sum) every inexact-array leaf of `grads` over `comm`.
@@ -181,10 +154,10 @@ def allreduce_gradients(grads: PyTree, *, mean: bool = True, bucket_bytes: int |
     Transpose: allreduce(SUM) (scaled by 1/size for the mean).
     """
     ref = as_comm(comm, "nn.allreduce_gradients")
-    cap = _bucket_bytes(bucket_bytes, "allreduce_gradients")
+    cap = bucket_bytes_arg(bucket_bytes, "allreduce_gradients")
     leaves, treedef, groups = dtype_groups(grads)
     out = list(leaves)
-    for bucket in _buckets(leaves, groups, cap):
+    for bucket in buckets(leaves, groups, cap):
         total = allreduce(concat(leaves, bucket), RED_NAMES[SUM], comm=ref.comm)
         split_into(out, leaves, bucket, total / ref.size if mean else total)
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -226,12 +199,12 @@ def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None
     Transpose: allreduce(SUM) of each bucket's cotangent (scaled by 1/size for the mean).
     """
     ref = as_comm(comm, "nn.sync_gradients")
-    cap = _bucket_bytes(bucket_bytes, "sync_gradients")
+    cap = bucket_bytes_arg(bucket_bytes, "sync_gradients")
     leaves, treedef, groups = dtype_groups(model)
     out = list(leaves)
     sync = _bucket_sync(ref.comm, ref.size, mean)
     # applied in reverse: the backward pass runs the transposes in reverse, so it
     # reduces the bucket of the last leaf first, in allreduce_gradients' order
-    for bucket in reversed(_buckets(leaves, groups, cap)):
+    for bucket in reversed(buckets(leaves, groups, cap)):
         split_into(out, leaves, bucket, sync(concat(leaves, bucket)))
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -23,7 +23,7 @@ import numpy as np
 from .._jax_compat import jaxprs_in_params
 from .._mpi import RED_NAMES, SUM
 from .._ops import allgather, reduce_scatter
-from ._shard import comm_ref, concat, split_into
+from ._shard import bucket_bytes_arg, buckets, comm_ref, concat, split_into
 
 # Primitives that act element by element (scalars broadcast): what an update may apply to
 # parameter-shaped arrays.
@@ -38,15 +38,18 @@ _ELEMENTWISE = frozenset("""
 
 
 class _Layout:
-    """Where each inexact leaf's elements fall in the ranks' blocks of its dtype's flat
-    vector (zero-padded to a multiple of the size)."""
+    """Where each inexact leaf's elements fall in the ranks' blocks of its group's flat
+    vector (zero-padded to a multiple of the size). A group is a bucket of leaves of
+    one dtype (`buckets`: one per dtype without a cap), in the order a backward pass
+    produces their gradients."""
 
-    def __init__(self, tree, size: int):
+    def __init__(self, tree, size: int, cap: int | None = None):
         self.leaves, self.treedef = jax.tree_util.tree_flatten(tree)
-        self.groups: dict[str, list[int]] = {}  # (leaves that are inexact arrays, or
-        for i, leaf in enumerate(self.leaves):   # their shapes: ShapeDtypeStruct)
+        by_dtype: dict[str, list[int]] = {}  # (leaves that are inexact arrays, or
+        for i, leaf in enumerate(self.leaves):  # their shapes: ShapeDtypeStruct)
             if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact):
-                self.groups.setdefault(jnp.result_type(leaf).name, []).append(i)
+                by_dtype.setdefault(jnp.result_type(leaf).name, []).append(i)
+        self.groups = dict(enumerate(buckets(self.leaves, by_dtype, cap)))
         self.size = size
         self.block, self.offset, self.group_of = {}, {}, {}
         for name, idx in self.groups.items():
@@ -85,14 +88,14 @@ class _Layout:
                 out[i] = jax.ShapeDtypeStruct(self.shape(i, r), out[i].dtype)
         return jax.tree_util.tree_unflatten(self.treedef, out)
 
-    def from_block(self, block, name: str, r: int, out: list) -> None:
+    def from_block(self, block, name: int, r: int, out: list) -> None:
         """Rank r's block of dtype `name` cut into its leaves' parts (into `out`)."""
         for i in self.groups[name]:
             lo, hi = self.part(i, r)
             start = self.offset[i] + lo - r * self.block[name]
             out[i] = block[max(start, 0):max(start, 0) + hi - lo].reshape(self.shape(i, r))
 
-    def to_block(self, shards, name: str):
+    def to_block(self, shards, name: int):
         """The inverse of `from_block`: this group's parts in one block (zero-padded)."""
         flat = [jnp.ravel(shards[i]) for i in self.groups[name]]
         flat = jnp.concatenate(flat) if flat else jnp.zeros(0)
@@ -138,12 +141,12 @@ def _proxy(tree):
     return jax.tree_util.tree_map(small, tree)
 
 
-def _refusal(inner, params, size: int) -> str | None:
+def _refusal(inner, params, size: int, cap: int | None = None) -> str | None:
     """Why `inner` cannot run on shards exactly as on the whole tree (None: it can)."""
     abstract = jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)) if hasattr(a, "dtype")
         else a, params)
-    layout = _Layout(abstract, size)
+    layout = _Layout(abstract, size, cap)
     for what, tree in [("the parameters", abstract), ("a shard of them", layout.abstract_shards(0))]:
         try:
             state = jax.eval_shape(inner.init, tree)
@@ -190,12 +193,16 @@ def _differs(inner, params, size: int) -> str | None:
     return None
 
 
-def sharded_optimizer(inner, *, mean: bool = True, comm=None):
+def sharded_optimizer(inner, *, mean: bool = True, bucket_bytes: int | None = None, comm=None):
     """Wrap an optax optimizer so that each rank keeps and updates 1/size of its state.
 
     ZeRO stages 1 and 2 for data parallelism: `update` reduce-scatters the ranks' local
     gradients (summed, or averaged with `mean`), so each rank gets the reduced gradient
-    of its block of the parameters (flattened per dtype); it runs `inner` on that block
+    of its block of the parameters (flattened per dtype, or per bucket of at most
+    `bucket_bytes` cut from the last leaf back, as `allreduce_gradients` cuts them:
+    inside a jitted step each bucket's reduce_scatter starts as soon as the backward
+    pass has produced its gradients, and with asynchronous calls on it travels while
+    the backward pass goes on); it runs `inner` on that block
     alone, cut into the parameters' tree (each leaf's part of the block), whose state is
     the only one it keeps (1/size of `inner`'s); and it allgathers the blocks' updates.
     The result equals `inner` applied to `allreduce_gradients(grads, mean=mean)`, step
@@ -205,11 +212,12 @@ def sharded_optimizer(inner, *, mean: bool = True, comm=None):
     (`clip_by_global_norm`, `adafactor`, `lamb`, per-leaf clipping) or depends on the
     parameters' shapes, saying why.
     Shape: local gradients (a pytree) -> replicated updates (the same pytree).
-    Transpose: (not differentiated) one reduce_scatter and one allgather per dtype.
+    Transpose: (not differentiated) one reduce_scatter and one allgather per bucket.
     """
     import optax
 
     ref = comm_ref(comm, "sharded_optimizer")
+    cap = bucket_bytes_arg(bucket_bytes, "sharded_optimizer")
     checked: dict = {}  # the parameters' structure and shapes -> refusal (None: fine)
 
     def layout_of(tree):
@@ -217,13 +225,13 @@ def sharded_optimizer(inner, *, mean: bool = True, comm=None):
                tuple((np.shape(a), str(jnp.result_type(a))) if hasattr(a, "dtype") else None
                      for a in jax.tree_util.tree_leaves(tree)))
         if key not in checked:
-            checked[key] = _refusal(inner, tree, ref.size)
+            checked[key] = _refusal(inner, tree, ref.size, cap)
         if checked[key] is not None:
             raise ValueError(
                 f"vjpmpi.nn.sharded_optimizer: the optimizer cannot run on shards of the "
                 f"parameters exactly as on all of them: {checked[key]}. Apply it to the "
                 "allreduce_gradients of a plain optimizer instead.")
-        return _Layout(tree, ref.size)
+        return _Layout(tree, ref.size, cap)
 
     def init(params):
         return inner.init(layout_of(params).shards(params, ref.rank))

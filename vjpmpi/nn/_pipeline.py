@@ -219,9 +219,12 @@ def _take(tree: PyTree, i) -> PyTree:
 def _hold(tree: PyTree, ref) -> PyTree:
     """`tree` as it is at this point of the program: each array passes through a
     point-to-point exchange with `MPI.PROC_NULL` peers (no message; ordered with the
-    pipeline's messages, and opaque to XLA's fusion)."""
+    pipeline's messages, and opaque to XLA's fusion). The array is the receive buffer,
+    which the result aliases (an empty send buffer: passing the array as both made XLA
+    copy it at every hold)."""
     return jax.tree_util.tree_map(
-        lambda a: sendrecv(a, a, MPI.PROC_NULL, MPI.PROC_NULL, comm=ref.comm), tree)
+        lambda a: sendrecv(jnp.ravel(a)[:0], a, MPI.PROC_NULL, MPI.PROC_NULL,
+                           comm=ref.comm), tree)
 
 
 def _add(a: PyTree, b: PyTree, ref) -> PyTree:
@@ -363,12 +366,21 @@ def pipeline_value_and_grad(stage: Callable, loss: Callable, inputs: PyTree, tar
                 pullbacks[i] = pb
                 if s == p - 1:
                     value, loss_pb = jax.vjp(lambda y, t=_take(targets, i + tick): loss(y, t), y)
-                    losses.append(value)
+                    # (the loss is held: the forward pass ends in this step)
+                    losses.append(_hold(value, ref))
                     (cts[i],) = loss_pb(jnp.asarray(1 / m, value.dtype))
                 else:
                     out_f = y
             else:
-                g = pullbacks.pop(i)(cts.pop(i))  # (its residuals are dead after this)
+                ct = cts.pop(i)
+                if s == p - 1:
+                    # The last stage made this cotangent itself, in its forward step:
+                    # held, the backward pass runs in this step. (Otherwise XLA ran it
+                    # right after the forward pass, and under GPipe the last stage's
+                    # forward steps took a forward and a backward pass while the
+                    # others waited: 2 stages took twice their work, measured.)
+                    ct = _hold(ct, ref)
+                g = pullbacks.pop(i)(ct)  # (its residuals are dead after this)
                 grads = _add(grads, g[0], ref)
                 if s > 0:
                     out_b = g[1]

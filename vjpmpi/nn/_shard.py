@@ -5,6 +5,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._mpi import CommRef, as_comm
 from .._ops import allgather
@@ -54,3 +55,30 @@ def split_into(out: list, leaves, idx, flat) -> None:
         n = leaves[i].size
         out[i] = flat[offset:offset + n].reshape(leaves[i].shape).astype(leaves[i].dtype)
         offset += n
+
+
+def bucket_bytes_arg(value, op: str) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    raise ValueError(f"vjpmpi.nn.{op}: `bucket_bytes` must be a positive int or None, "
+                     f"got {value!r}")
+
+
+def buckets(leaves, groups, cap: int | None) -> list[list[int]]:
+    """The inexact leaves (`groups`: positions by dtype) in buckets of one dtype, each a
+    run of at most `cap` bytes cut from the group's last leaf back (a larger leaf is a
+    bucket of its own; None: one per dtype), the bucket holding the last leaf first:
+    the order a backward pass produces the gradients of parameters used in tree order."""
+    out: list[list[int]] = []
+    for idx in groups.values():
+        run: list[int] = []
+        size = 0
+        for i in reversed(idx):
+            n = int(np.size(leaves[i])) * np.dtype(leaves[i].dtype).itemsize
+            if run and cap is not None and size + n > cap:
+                out.append(run[::-1])
+                run, size = [], 0
+            run.append(i)
+            size += n
+        out.append(run[::-1])
+    return sorted(out, key=lambda bucket: -bucket[-1])
