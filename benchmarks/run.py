@@ -35,6 +35,9 @@ ENV = {
 NONLINEAR_RANKS = (2, 4)  # the nonlinear derivatives' cost, at these rank counts
 FFT_RANKS = (1, 2, 4)  # vjpmpi.fft against mpi4py-fft (1 rank: also jnp.fft alone)
 MEMORY_RANKS = 8  # their peak memory, at this one
+# --quick (the smoke test: every part's code runs, nothing is judged) at fewer ranks,
+# which start faster; the parts' code does not depend on the rank count
+QUICK_RANKS = {"nonlinear": (2,), "fft": (1, 2), "memory": 2}
 GPU_ENV = {"JAX_PLATFORMS": "cuda,cpu", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
@@ -588,12 +591,13 @@ def main():
         ovl, ovl_why = run_overlap(args.quick, work)
         pipe, pipe_why = run_part("pipeline", 2, args.quick, 300, work)
         nonlinear = []
-        for ranks in NONLINEAR_RANKS:
+        for ranks in QUICK_RANKS["nonlinear"] if args.quick else NONLINEAR_RANKS:
             part, why = run_part("nonlinear", ranks, args.quick, 300, work)
             nonlinear.append(part or {"ranks": ranks, "why": why})
-        mem, mem_why = run_part("memory", MEMORY_RANKS, args.quick, 300, work)
+        mem, mem_why = run_part("memory", QUICK_RANKS["memory"] if args.quick else MEMORY_RANKS,
+                                args.quick, 300, work)
         ffts = []
-        for ranks in FFT_RANKS:
+        for ranks in QUICK_RANKS["fft"] if args.quick else FFT_RANKS:
             part, why = run_part("fft", ranks, args.quick, 300 if args.quick else 900, work)
             ffts.append(part or {"ranks": ranks, "why": why})
     m["nonlinear"] = nonlinear

@@ -41,13 +41,13 @@ def test_benchmark_suite_smoke(tmp_path):
     assert [r["elements"] for r in net["latency"]] == [1, 16, 256]
     assert {r["op"] for r in net["bandwidth"]} == {"allreduce", "bcast"}
     assert net["env"] and all(r["vjpmpi"] > 0 and r["floor"] > 0 for r in net["bandwidth"])
-    # the nonlinear derivatives at 2 and 4 ranks, their memory at 8
-    assert [p["ranks"] for p in main["nonlinear"]] == [2, 4], main["nonlinear"]
+    # the nonlinear derivatives and their memory at 2 ranks (--quick: fewer counts)
+    assert [p["ranks"] for p in main["nonlinear"]] == [2], main["nonlinear"]
     for part in main["nonlinear"]:
         assert [r["op"] for r in part["rows"]] == ["allreduce MAX", "allreduce PROD"]
         assert all(r["fwd"] > 0 and r["vg"] > 0 and r["mpi_adj"] > 0 for r in part["rows"])
-    # vjpmpi.fft at 1, 2 and 4 ranks (mpi4py-fft where installed; jnp.fft alone at 1)
-    assert [p["ranks"] for p in main["fft"]] == [1, 2, 4], main["fft"]
+    # vjpmpi.fft at 1 and 2 ranks (mpi4py-fft where installed; jnp.fft alone at 1)
+    assert [p["ranks"] for p in main["fft"]] == [1, 2], main["fft"]
     for part in main["fft"]:
         timed = [r for r in part["rows"] if "kind" in r and r["kind"] in ("slab", "pencil")]
         assert [r["kind"] for r in timed] == ["slab", "pencil"], part
@@ -55,7 +55,7 @@ def test_benchmark_suite_smoke(tmp_path):
         assert all(r["mpi4py_fft"] is not None for r in timed) or part["mpi4py_fft_why"]
     assert any(r.get("single_jnp", 0) > 0 for r in main["fft"][0]["rows"])
     mem = main["memory"]
-    assert mem is not None and mem["ranks"] == 8, main["memory_why"]
+    assert mem is not None and mem["ranks"] == 2, main["memory_why"]
     assert all(r["fwd_xla"] > 0 and r["vg_xla"] > 0 for r in mem["rows"])
     # the overlap part (shared memory in the smoke run) and the asynchronous calls' cost
     ovl, asy = main["overlap"], main["async"]

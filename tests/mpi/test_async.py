@@ -227,9 +227,9 @@ def test_compute_runs_while_a_message_is_in_flight():
             time.sleep(1.0)
         return x
 
-    def probe(y):
-        seen = 0
-        while late["on"] and not seen and time.monotonic() - late["t0"] < limit:
+    def probe(y):  # (not on rank 1, which is not judged: its call may come and go
+        seen = 0  # between two looks, and the loop would wait out the limit)
+        while rank != 1 and late["on"] and not seen and time.monotonic() - late["t0"] < limit:
             seen = _kernels.cpu._in_flight()
             time.sleep(0.001)
         return np.full(y.shape, seen, y.dtype)
@@ -483,25 +483,20 @@ def _sharded_train(opt, net, x, steps=4):
 def test_bucketed_sharded_optimizer_keeps_the_bits():
     """ZeRO in buckets (the parameters of each bucket sharded over the ranks: a bucket
     per leaf, and some leaves each) gives the bits of one shard per dtype, step after
-    step, and equals plain data parallelism (SGD with momentum: a gradient scaled by a
-    constant would show)."""
+    step (SGD with momentum). (One shard per dtype equals plain data parallelism:
+    tests/mpi/test_nn_optim.py.)"""
     net = _net()
     x = jnp.asarray(rng(6).standard_normal((11, 9)).astype(np.float32))  # this rank's data
     sgd = lambda: optax.sgd(0.05, momentum=0.9)  # noqa: E731
     whole = _sharded_train(vjpmpi.nn.sharded_optimizer(sgd()), net, x)
-    plain = _sharded_train(optax.chain(
-        optax.GradientTransformation(lambda p: (), lambda g, s, p=None: (
-            vjpmpi.nn.allreduce_gradients(g), s)), sgd()), net, x)
     for bucket_bytes in BUCKETS[:2]:
         got = _sharded_train(vjpmpi.nn.sharded_optimizer(sgd(), bucket_bytes=bucket_bytes),
                              net, x)
-        assert len(got) == len(whole) == len(plain) == 4
-        for k, (a, b, c) in enumerate(zip(got, whole, plain, strict=True)):
-            assert len(a) == len(b) == len(c) == 9
-            for j, (u, v, w) in enumerate(zip(a, b, c, strict=True)):
+        assert len(got) == len(whole) == 4
+        for k, (a, b) in enumerate(zip(got, whole, strict=True)):
+            assert len(a) == len(b) == 9
+            for j, (u, v) in enumerate(zip(a, b, strict=True)):
                 assert np.asarray(u).tobytes() == np.asarray(v).tobytes(), (bucket_bytes, k, j)
-                np.testing.assert_allclose(u, w, rtol=1e-6, atol=1e-7,
-                                           err_msg=f"{bucket_bytes}: step {k}, leaf {j}")
 
 
 def _rs_elements(text, name):

@@ -258,13 +258,14 @@ def test_last_stage_runs_each_backward_pass_in_its_step():
 def test_messages_follow_the_table(name):
     if size >= 3 and name == "gpipe":
         pytest.skip(WIDE_SKIP)
-    p, m = size, size + 3
+    p, m = size, size + 3  # (with a key: the programs of test_equals_one_process[3-...])
     stages = model(p)
     x, t = data(p, m)
     sch = SCHEDULES[name](p, m)
-    jax.block_until_ready(run(sch, stages[rank], x, t, None, p))  # (compiled: one run)
+    key = jax.random.PRNGKey(3)
+    jax.block_until_ready(run(sch, stages[rank], x, t, key, p))  # (compiled: one run)
     vjpmpi.take_trace()
-    jax.block_until_ready(run(sch, stages[rank], x, t, None, p))
+    jax.block_until_ready(run(sch, stages[rank], x, t, key, p))
     assert vjpmpi.take_trace() == expected_calls(sch, rank)
     # (the check tells the two tables apart)
     assert p == 1 or any(expected_calls(vnn.gpipe(p, m), s) != expected_calls(

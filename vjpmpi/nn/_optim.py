@@ -89,7 +89,7 @@ class _Layout:
         return jax.tree_util.tree_unflatten(self.treedef, out)
 
     def from_block(self, block, name: int, r: int, out: list) -> None:
-        """Rank r's block of dtype `name` cut into its leaves' parts (into `out`)."""
+        """Rank r's block of group `name` cut into its leaves' parts (into `out`)."""
         for i in self.groups[name]:
             lo, hi = self.part(i, r)
             start = self.offset[i] + lo - r * self.block[name]
