@@ -424,7 +424,7 @@ def pipeline_report(p, why):
     if p is None:
         return text + [f"Not run: {why}", ""]
     return text + [
-        f"{p['ranks']} stages, one per rank and core, on shared memory; each stage "
+        f"{p['ranks']} stages, one per rank (unpinned), on shared memory; each stage "
         f"{p['layers']} tanh layers of {p['width']}, micro-batches of {p['batch']} rows "
         "(`pipeline_value_and_grad`). `alone`: the stage's forward and backward passes over "
         "the micro-batches without messages; measured bubble: 1 - alone / pipelined step, "

