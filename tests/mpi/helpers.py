@@ -203,3 +203,12 @@ def send_recv_pair(x):
     if rank % 2 == 1:
         return vjpmpi.recv(x, rank - 1, tag=5)
     return x * 3.0
+
+
+class PerSample(eqx.Module):
+    """`inner` applied to each row of a batch (a pipeline stage made of per-sample layers)."""
+
+    inner: eqx.Module
+
+    def __call__(self, x):
+        return jax.vmap(self.inner)(x)

@@ -22,7 +22,7 @@ import pytest
 import vjpmpi
 import vjpmpi.nn as vnn
 
-from helpers import WORLD, assert_trees_close
+from helpers import WORLD, PerSample, assert_trees_close
 from hlo_order import _ancestors, parse
 
 rank, size = WORLD.rank, WORLD.size
@@ -387,19 +387,13 @@ def test_pipeline_times_tensor_parallel():
 
     want_loss, want = eqx.filter_value_and_grad(dense_loss)(dense)
 
-    class Stage(eqx.Module):
-        mlp: vnn.ParallelMLP
-
-        def __call__(self, h):
-            return jax.vmap(self.mlp)(h)
-
-    stage = Stage(vnn.ParallelMLP.from_dense(dense[s], comm=tensor_comm))
+    stage = PerSample(vnn.ParallelMLP.from_dense(dense[s], comm=tensor_comm))
     f = eqx.filter_jit(lambda st: vnn.pipeline_value_and_grad(
         st, loss_fn, x, y, schedule=vnn.one_f_one_b(2, m),
         activation=jax.ShapeDtypeStruct((3, w), jnp.float64), comm=pipe_comm))
     loss, g = f(stage)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-12)
-    got = eqx.filter_jit(lambda g: g.mlp.to_dense())(g)
+    got = eqx.filter_jit(lambda g: g.inner.to_dense())(g)
     assert_trees_close(eqx.filter(got, eqx.is_array), eqx.filter(want[s], eqx.is_array),
                        rtol=1e-12, atol=1e-14)
     pipe_comm.Free()

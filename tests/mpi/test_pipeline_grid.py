@@ -13,7 +13,7 @@ import pytest
 
 import vjpmpi.nn as vnn
 
-from helpers import WORLD, assert_trees_close
+from helpers import WORLD, PerSample, assert_trees_close
 
 rank, size = WORLD.rank, WORLD.size
 
@@ -42,13 +42,7 @@ def test_pipeline_times_tensor_times_data():
 
     want_loss, want = eqx.filter_value_and_grad(dense_loss)(dense)
 
-    class Stage(eqx.Module):
-        mlp: vnn.ParallelMLP
-
-        def __call__(self, h):
-            return jax.vmap(self.mlp)(h)
-
-    stage = Stage(vnn.ParallelMLP.from_dense(dense[s], comm=tensor_comm))
+    stage = PerSample(vnn.ParallelMLP.from_dense(dense[s], comm=tensor_comm))
     params = eqx.filter(stage, eqx.is_inexact_array)
     opt = vnn.sharded_optimizer(optax.sgd(lr), comm=data_comm)
 
@@ -64,7 +58,7 @@ def test_pipeline_times_tensor_times_data():
     losses = data_comm.allgather(float(loss))  # each group's own mean loss
     np.testing.assert_allclose(np.mean(losses), float(want_loss), rtol=1e-12)
     assert losses[0] != losses[1]  # the groups did see different batches
-    got = eqx.filter_jit(lambda st: st.mlp.to_dense())(new)
+    got = eqx.filter_jit(lambda st: st.inner.to_dense())(new)
     stepped = jax.tree_util.tree_map(lambda p, g: p - lr * g, eqx.filter(dense[s], eqx.is_array),
                                      eqx.filter(want[s], eqx.is_array))
     assert_trees_close(eqx.filter(got, eqx.is_array), stepped, rtol=1e-12, atol=1e-14)
