@@ -450,11 +450,13 @@ def overlap_report(o, why, a, a_why, check):
         check("overlap section: ran on the simulated network", why, False)
     else:
         mlp = o["mlp"]
+        bound = max(1.0, (mlp["forward"] + mlp["allreduce"]) / mlp["compute"])
         text += [
             f"{o['ranks']} ranks, one per network namespace and core, joined by veth pairs "
             f"shaped with tc tbf to {o['link']} (`benchmarks/simnet.sh`), MPICH over its "
             "network module (`" + " ".join(f"{k}={v}" for k, v in o["env"].items()) + "`). "
-            "Each figure: median of repeated steps, seconds per step. `compute` leaves the "
+            "Each time: median of repeated steps, seconds per step; each ratio: median of the "
+            "repetitions' ratios (the cases run in turn in each repetition). `compute` leaves the "
             "communication out; `after` communicates synchronously (every call on XLA's "
             "thread, `vjpmpi.async_threshold(None)`); `overlapped` runs the calls of at least "
             f"{o['async_bytes']} bytes on the communicator's thread (`vjpmpi.async_threshold`).", "",
@@ -463,18 +465,22 @@ def overlap_report(o, why, a, a_why, check):
             "all-reduces the gradient after the backward pass (`allreduce_gradients`); "
             f"`overlapped` reduces it in buckets of {mlp['bucket_bytes']} bytes inside the "
             "backward pass (`sync_gradients`). `allreduce`: the whole gradient's allreduce "
-            "alone. ZeRO: the same step with `sharded_optimizer(optax.sgd)`, one "
+            "alone; `bound`: the least an overlapped step can take, max(compute, "
+            "forward + allreduce), as no bucket exists before the forward pass ends and "
+            "the link carries them one after the other. ZeRO: the same step with "
+            "`sharded_optimizer(optax.sgd)`, one "
             "reduce_scatter and one allgather per dtype synchronous (`after`), or in the "
             "same buckets asynchronous (`overlapped`: the reduce_scatters travel during the "
             "backward pass, the allgathers of the updates after it).", "",
-            table(["step", "compute s", "after s", "overlapped s", "allreduce alone s",
-                   "after / compute", "overlapped / compute"],
-                  [["allreduce", mlp["compute"], mlp["after"], mlp["overlapped"],
-                    mlp["allreduce"], mlp["after"] / mlp["compute"],
-                    mlp["overlapped"] / mlp["compute"]],
-                   ["ZeRO", mlp["compute"], mlp["zero_after"], mlp["zero_overlapped"], None,
-                    mlp["zero_after"] / mlp["compute"],
-                    mlp["zero_overlapped"] / mlp["compute"]]]), "",
+            table(["step", "compute s", "forward s", "after s", "overlapped s",
+                   "allreduce alone s", "after / compute", "overlapped / compute",
+                   "bound / compute"],
+                  [["allreduce", mlp["compute"], mlp["forward"], mlp["after"],
+                    mlp["overlapped"], mlp["allreduce"], mlp["after_ratio"],
+                    mlp["overlapped_ratio"], bound],
+                   ["ZeRO", mlp["compute"], mlp["forward"], mlp["zero_after"],
+                    mlp["zero_overlapped"], None, mlp["zero_after_ratio"],
+                    mlp["zero_overlapped_ratio"], None]]), "",
             "Halo exchange: 2-D reaction-diffusion on a grid split by rows, one halo row of "
             f"{o['halo'][0]['halo_bytes']} bytes to and from each neighbour per step "
             "(`vjpmpi.sendrecv`, two chained calls); the interior rows, computed in 4 "
@@ -482,15 +488,16 @@ def overlap_report(o, why, a, a_why, check):
             table(["rows per rank", "compute s", "after s", "overlapped s", "after / compute",
                    "overlapped / compute"],
                   [[h["rows"], h["compute"], h["after"], h["overlapped"],
-                    h["after"] / h["compute"], h["overlapped"] / h["compute"]]
+                    h["after_ratio"], h["overlapped_ratio"]]
                    for h in o["halo"]]), ""]
-        ratio = mlp["overlapped"] / mlp["compute"]
+        ratio = mlp["overlapped_ratio"]
         check("overlapped data-parallel MLP step <= 1.15x compute only",
-              f"{ratio:.2f}x (after: {mlp['after'] / mlp['compute']:.2f}x)", ratio <= 1.15)
+              f"{ratio:.2f}x (after: {mlp['after_ratio']:.2f}x, bound: "
+              f"{bound:.2f}x)", ratio <= 1.15)
         for h in o["halo"]:
-            ratio = h["overlapped"] / h["compute"]
+            ratio = h["overlapped_ratio"]
             check(f"overlapped halo step ({h['rows']} rows) <= 1.15x compute only",
-                  f"{ratio:.2f}x (after: {h['after'] / h['compute']:.2f}x)", ratio <= 1.15)
+                  f"{ratio:.2f}x (after: {h['after_ratio']:.2f}x)", ratio <= 1.15)
     if a is None:
         text += [f"Cost on shared memory not measured: {a_why}", ""]
         check("asynchronous calls on shared memory: measured", a_why, False)

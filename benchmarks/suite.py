@@ -667,7 +667,10 @@ NET_VARS = ("MPIR_CVAR_NOLOCAL", "MPIR_CVAR_CH4_NETMOD", "FI_PROVIDER", "OMPI_MC
 def _steps(cases, reps):
     """Median seconds per call of each case, `name: (function, args, threshold)` (the
     vjpmpi.async_threshold it runs under: None, synchronous), in turn within each
-    repetition (after a warm-up call each), so that drift hits every case alike."""
+    repetition (after a warm-up call each), so that drift hits every case alike; where
+    there is a "compute" case, also `<name>_ratio`: the median over the repetitions of
+    the case's time over compute's in the same repetition (this machine's speed drifts
+    by 10-20% between repetitions, more than the ratios it measures differ)."""
     import jax
     import vjpmpi
 
@@ -682,7 +685,11 @@ def _steps(cases, reps):
                 t0 = time.perf_counter()
                 jax.block_until_ready(f(*args))
                 times[k].append(time.perf_counter() - t0)
-    return {k: float(np.median(v)) for k, v in times.items()}
+    out = {k: float(np.median(v)) for k, v in times.items()}
+    if "compute" in times:
+        out.update({k + "_ratio": float(np.median(np.divide(v, times["compute"])))
+                    for k, v in times.items() if k != "compute"})
+    return out
 
 
 def _dp_mlp(quick):
@@ -690,7 +697,10 @@ def _dp_mlp(quick):
     the gradient all-reduced after the backward pass, synchronously
     (`allreduce_gradients`, one call), and reduced in buckets inside the backward pass,
     asynchronously (`sync_gradients`): each bucket's allreduce travels while the
-    backward pass computes the earlier layers' gradients."""
+    backward pass computes the earlier layers' gradients. The batch makes the allreduce
+    alone about 0.7 of the backward pass on the simulated link: no bucket can travel
+    before the forward pass ends, so where the allreduce takes the whole backward pass
+    the step cannot end before forward + allreduce (`bound`, reported), whatever overlaps."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -698,7 +708,7 @@ def _dp_mlp(quick):
     import vjpmpi
     import vjpmpi.nn
 
-    width, depth, batch, reps = (64, 3, 32, 3) if quick else (512, 7, 2560, 7)
+    width, depth, batch, reps = (64, 3, 32, 3) if quick else (512, 7, 3072, 7)
     params, static = eqx.partition(
         eqx.nn.MLP(width, width, width, depth, key=jax.random.PRNGKey(0)), eqx.is_array)
     rng = np.random.default_rng(RANK)
@@ -739,6 +749,7 @@ def _dp_mlp(quick):
     grads = jax.grad(loss)(params, x, y)
     comm_only = jax.jit(flat)
     t = _steps({"compute": (compute_only, (params, x, y), None),
+                "forward": (jax.jit(loss), (params, x, y), None),
                 "after": (after, (params, x, y), None),
                 "overlapped": (overlapped, (params, x, y), ASYNC),
                 "allreduce": (comm_only, (grads,), None),
@@ -808,7 +819,7 @@ def _halo(quick, rows):
     t = _steps({"compute": (loop(local), (u,), None), "after": (exchanged, (u,), None),
                 "overlapped": (exchanged, (u,), ASYNC)}, reps)
     return {"rows": rows, "cols": cols, "steps": steps, "halo_bytes": cols * 4,
-            **{k: v / steps for k, v in t.items()}}
+            **{k: v if k.endswith("_ratio") else v / steps for k, v in t.items()}}
 
 
 ASYNC = 1 << 16  # the threshold the overlap and async parts set (opt-in: off by default)

@@ -60,8 +60,8 @@ def test_benchmark_suite_smoke(tmp_path):
     # the overlap part (shared memory in the smoke run) and the asynchronous calls' cost
     ovl, asy = main["overlap"], main["async"]
     assert ovl is not None, main["overlap_why"]
-    assert all(ovl["mlp"][k] > 0 for k in ("compute", "after", "overlapped", "allreduce",
-                                           "zero_after", "zero_overlapped"))
+    assert all(ovl["mlp"][k] > 0 for k in ("compute", "forward", "after", "overlapped",
+                                           "allreduce", "zero_after", "zero_overlapped"))
     assert [h["rows"] for h in ovl["halo"]] == [8, 8]
     assert all(h[k] > 0 for h in ovl["halo"] for k in ("compute", "after", "overlapped"))
     assert asy is not None, main["async_why"]

@@ -253,6 +253,36 @@ def test_compute_runs_while_a_message_is_in_flight():
     assert all(s > 0 for k, s in enumerate(seen) if k != 1), seen
 
 
+def test_continuations_run_off_the_communicators_thread():
+    """What waits on an asynchronous call runs on another thread than the communicator's,
+    which stays free for the program's next call: when the communicator's thread
+    completed the call's future itself, XLA ran the computation waiting on it there
+    (a halo loop's second exchange started 20-60 ms after XLA posted it, behind a block
+    of the interior update)."""
+    where = []
+
+    def probe(a):
+        where.append(bool(_kernels.cpu._on_comm_thread()))
+        return a
+
+    def f(x):
+        for _ in range(3):
+            a = vjpmpi.allreduce(x, MPI.SUM)
+            x = jax.pure_callback(probe, jax.ShapeDtypeStruct(a.shape, a.dtype), a) / size
+        return x, _dots(x.reshape(64, 64)[:32, :32], 10)[-1]
+
+    x = jnp.asarray(rng(11).standard_normal(1 << 12))
+    exe = compiled((__name__, "continuation"), f, x)
+    for threshold in (0, None):
+        where.clear()
+        with vjpmpi.async_threshold(threshold):
+            y, _ = exe(x)
+        np.testing.assert_allclose(np.asarray(y), WORLD.allreduce(np.asarray(x)) / size,
+                                   rtol=1e-13)
+        # (every rank fails together)
+        assert WORLD.allgather(where) == [[False] * 3] * size, threshold
+
+
 def test_blocking_and_nonblocking_never_meet():
     """A call below the threshold runs on the thread that completes its last input: here
     on even ranks XLA's (its input comes from a callback that returns only after the

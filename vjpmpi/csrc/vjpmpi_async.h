@@ -1,14 +1,14 @@
 // Asynchronous collectives on the host: a thread per communicator runs the MPI calls of
 // the handlers that move at least AsyncBytes() (VJPMPI_ASYNC_BYTES), in the order the
 // handlers post them, while XLA's executor runs whatever in the program does not wait
-// for the message; the handler returns a future that the job completes.
+// for the message; the handler returns a future that the job completes, on another
+// thread (Completers below).
 //
 // The ordering chain makes each vjpmpi call of a program wait for the previous one to
 // complete, so a program has at most one job queued or running: the thread adds no
-// reordering, and MPI sees the program's calls one at a time. The job completes the
-// handler's future itself, which runs XLA's continuation (the program's next steps) on
-// this thread; the program's next vjpmpi call cannot have been posted before, so
-// nothing waits behind it.
+// reordering, and MPI sees the program's calls one at a time. The job hands the
+// future's completion to a completion thread, which runs XLA's continuation (the
+// program's next steps) there, and this thread is free for the program's next call.
 #pragma once
 
 #include <atomic>
@@ -18,10 +18,18 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "vjpmpi_mpi.h"
 
 namespace vjpmpi {
+
+// Whether the calling thread is a communicator's (for the tests: XLA's continuations
+// never run there).
+inline bool& OnCommThread() {
+  thread_local bool on = false;
+  return on;
+}
 
 // One thread running posted jobs in order.
 class CommThread {
@@ -45,6 +53,7 @@ class CommThread {
 
  private:
   void Loop() {
+    OnCommThread() = true;
     while (!stop_) {
       std::function<void()> job;
       {
@@ -96,6 +105,70 @@ inline void StopCommThread(int64_t comm) {
   if (it == all.threads.end()) return;
   it->second->Stop();
   all.threads.erase(it);
+}
+
+// Threads that complete the futures of asynchronous calls. Completing a future runs
+// XLA's continuation on the completing thread: the program's next steps, computation
+// included, until the executor runs out of ready work. On the communicator's thread
+// that computation held up the program's next call (a halo loop's second exchange
+// started 20-60 ms after XLA posted it, behind an interior block). A completion takes
+// an idle thread, or a new one when every one is busy: there are never more than the
+// program's completions running at once, and they stay for the next program.
+class Completers {
+ public:
+  void Run(std::function<void()> job) {
+    Worker* w = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!idle_.empty()) {
+        w = idle_.back();
+        idle_.pop_back();
+      }
+    }
+    if (w == nullptr) w = new Worker(this);
+    w->Give(std::move(job));
+  }
+
+ private:
+  struct Worker {
+    explicit Worker(Completers* owner) : owner(owner) {
+      std::thread([this] { Loop(); }).detach();
+    }
+    void Give(std::function<void()> j) {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        job = std::move(j);
+      }
+      ready.notify_one();
+    }
+    void Loop() {
+      for (;;) {
+        std::function<void()> j;
+        {
+          std::unique_lock<std::mutex> lock(mutex);
+          ready.wait(lock, [this] { return static_cast<bool>(job); });
+          j = std::move(job);
+          job = nullptr;
+        }
+        j();
+        std::lock_guard<std::mutex> lock(owner->mutex_);
+        owner->idle_.push_back(this);
+      }
+    }
+    Completers* owner;
+    std::mutex mutex;
+    std::condition_variable ready;
+    std::function<void()> job;
+  };
+
+  std::mutex mutex_;
+  std::vector<Worker*> idle_;
+};
+
+// (never destroyed, as the communicators' threads)
+inline void Complete(std::function<void()> job) {
+  static Completers* c = new Completers();
+  c->Run(std::move(job));
 }
 
 // The smallest call, in bytes (its larger side, in or out), whose MPI call runs on the

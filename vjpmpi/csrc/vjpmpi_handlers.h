@@ -217,11 +217,13 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
           c.dims2 = dims2.data();
           std::string e = Tail(*rt, mem, c, a, ce, collective, body, true);
           if (busy) ce->busy.store(false, std::memory_order_release);
-          if (e.empty()) {
-            promise.SetAvailable();
-          } else {
-            promise.SetError(ffi::Error::Internal(e));
-          }
+          Complete([promise, e = std::move(e)]() mutable {
+            if (e.empty()) {
+              promise.SetAvailable();
+            } else {
+              promise.SetError(ffi::Error::Internal(e));
+            }
+          });
         });
         return future;
       }
@@ -632,6 +634,7 @@ void DefineRuntime(nb::module_& m) {
   // vjpmpi calls running now (guarded, in any thread), for the tests of overlap
   m.def("_in_flight", []() { return owned_runtime.in_flight.load(); });
   m.def("_async_calls", []() { return owned_runtime.async_calls.load(); });
+  m.def("_on_comm_thread", []() { return OnCommThread(); });
   // the smallest call (bytes, its larger side) that runs on the communicator's thread;
   // -1: none (vjpmpi.async_threshold, VJPMPI_ASYNC_BYTES)
   m.def("set_async_bytes", [](int64_t n) { AsyncBytes().store(n); });
