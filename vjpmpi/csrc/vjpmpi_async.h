@@ -31,7 +31,7 @@ inline bool& OnCommThread() {
   return on;
 }
 
-// One thread running posted jobs in order.
+// One thread running posted jobs in order (a communicator's, or a completion thread).
 class CommThread {
  public:
   void Post(std::function<void()> job) {
@@ -47,13 +47,13 @@ class CommThread {
     Post([this] { stop_ = true; });
   }
 
-  CommThread() {
-    std::thread([this] { Loop(); }).detach();
+  explicit CommThread(bool communicator = true) {
+    std::thread([this, communicator] { Loop(communicator); }).detach();
   }
 
  private:
-  void Loop() {
-    OnCommThread() = true;
+  void Loop(bool communicator) {
+    OnCommThread() = communicator;
     while (!stop_) {
       std::function<void()> job;
       {
@@ -117,52 +117,25 @@ inline void StopCommThread(int64_t comm) {
 class Completers {
  public:
   void Run(std::function<void()> job) {
-    Worker* w = nullptr;
+    CommThread* t = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!idle_.empty()) {
-        w = idle_.back();
+        t = idle_.back();
         idle_.pop_back();
       }
     }
-    if (w == nullptr) w = new Worker(this);
-    w->Give(std::move(job));
+    if (t == nullptr) t = new CommThread(/*communicator=*/false);
+    t->Post([this, t, job = std::move(job)] {
+      job();
+      std::lock_guard<std::mutex> lock(mutex_);
+      idle_.push_back(t);
+    });
   }
 
  private:
-  struct Worker {
-    explicit Worker(Completers* owner) : owner(owner) {
-      std::thread([this] { Loop(); }).detach();
-    }
-    void Give(std::function<void()> j) {
-      {
-        std::lock_guard<std::mutex> lock(mutex);
-        job = std::move(j);
-      }
-      ready.notify_one();
-    }
-    void Loop() {
-      for (;;) {
-        std::function<void()> j;
-        {
-          std::unique_lock<std::mutex> lock(mutex);
-          ready.wait(lock, [this] { return static_cast<bool>(job); });
-          j = std::move(job);
-          job = nullptr;
-        }
-        j();
-        std::lock_guard<std::mutex> lock(owner->mutex_);
-        owner->idle_.push_back(this);
-      }
-    }
-    Completers* owner;
-    std::mutex mutex;
-    std::condition_variable ready;
-    std::function<void()> job;
-  };
-
   std::mutex mutex_;
-  std::vector<Worker*> idle_;
+  std::vector<CommThread*> idle_;
 };
 
 // (never destroyed, as the communicators' threads)
