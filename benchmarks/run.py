@@ -372,7 +372,8 @@ def run_overlap(quick, workdir):
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         return None, "needs 2 cores (one per rank)"
-    up = subprocess.run([str(SIMNET), "up", "2", SIMNET_RATE, SIMNET_MTU], capture_output=True, text=True)
+    up = subprocess.run([str(SIMNET), "up", "2", SIMNET_RATE, SIMNET_MTU], capture_output=True,
+                        text=True)
     if up.returncode != 0:
         subprocess.run([str(SIMNET), "down"], capture_output=True)
         return None, f"simnet.sh up failed: {(up.stderr or up.stdout).strip()[-300:]}"
@@ -380,7 +381,8 @@ def run_overlap(quick, workdir):
         net_env = subprocess.run([str(SIMNET), "env"], capture_output=True, text=True,
                                  check=True).stdout.split()
         path = Path(workdir) / "overlap.json"
-        env = [f"{k}={v}" for k, v in {**ENV, "VJPMPI_SIMNET_RATE": f"{SIMNET_RATE}, MTU {SIMNET_MTU}"}.items()]
+        link = f"{SIMNET_RATE}, MTU {SIMNET_MTU}"
+        env = [f"{k}={v}" for k, v in {**ENV, "VJPMPI_SIMNET_LINK": link}.items()]
         cmd = [*launch(1)[:-2]]
         for i in range(2):
             cmd += ["-n", "1", "env", *net_env, *env, str(SIMNET), "run", str(i), "taskset",

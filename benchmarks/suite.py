@@ -866,7 +866,7 @@ def overlap_part(quick):
 
     return {"ranks": SIZE, "async_bytes": ASYNC,
             "env": {k: os.environ.get(k) for k in NET_VARS if k in os.environ},
-            "link": os.environ.get("VJPMPI_SIMNET_RATE"),
+            "link": os.environ.get("VJPMPI_SIMNET_LINK"),
             "mlp": _dp_mlp(quick), "halo": [_halo(quick, rows) for rows in (32, 16)]}
 
 
