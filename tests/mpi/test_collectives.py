@@ -315,3 +315,21 @@ def test_nan_propagates_in_max_and_min(dtype, op):
     blocks = np.stack([local(rank)] * size)  # reduce_scatter: rank r gets block r reduced
     assert_equal(vjpmpi.reduce_scatter(jax.numpy.asarray(blocks), red),
                  combine.reduce(stack).astype(dtype))
+
+
+# Blocks of 4 MiB and more: the in-place exchange (a power-of-two communicator) copies
+# each outgoing block with non-temporal stores (StreamCopy, vjpmpi_mpi.h), 64 bytes per
+# step, then a tail. Block lengths here are no multiple of 16 bytes, so the loads start
+# unaligned from the second block on and every copy has a tail; one program.
+LARGE_BLOCKS = {"uint8": (np.uint8, (4 << 20) + 3), "float32": (np.float32, (1 << 20) + 5)}
+
+
+def test_alltoall_large_blocks_exact():
+    size, rank = WORLD.size, WORLD.rank
+    gen = np.random.default_rng(100 + rank)
+    xs = {k: gen.integers(0, 250, (size, n)).astype(dt) for k, (dt, n) in LARGE_BLOCKS.items()}
+    got = jax.jit(lambda d: {k: vjpmpi.alltoall(v) for k, v in d.items()})(xs)
+    for k, x in xs.items():
+        want = np.empty_like(x)
+        WORLD.Alltoall(x, want)
+        assert_equal(got[k], want)
