@@ -822,21 +822,22 @@ def _halo(quick, rows):
             **{k: v if k.endswith("_ratio") else v / steps for k, v in t.items()}}
 
 
-ASYNC = 1 << 16  # the threshold the overlap and async parts set (opt-in: off by default)
+ASYNC = "auto"  # the overlapped cases' threshold: the default (64 KiB across nodes)
 
 
 def async_part(quick):
     """What running calls on the communicator's thread costs where nothing overlaps
     (shared memory, a jitted loop of dependent allreduces): per call, every call run
-    synchronously (threshold None) against the default (VJPMPI_ASYNC_BYTES: calls of
-    64 KiB and more asynchronous) and every call asynchronous (threshold 0)."""
+    synchronously (threshold None) against the default ("auto": within one node, as
+    here, none asynchronous), calls of 64 KiB and more asynchronous (the default across
+    nodes) and every call asynchronous (threshold 0)."""
     import jax.numpy as jnp
     import vjpmpi
 
     reps, iters = (3, 2) if quick else (7, 20)
     sizes = [(64, 4 * iters), (1 << 16, iters)] if quick else [
         (64, 100 * iters), (1 << 16, 5 * iters), (MIB, iters), (16 * MIB, 2)]
-    modes = {"sync": None, "default": ASYNC, "async": 0}
+    modes = {"sync": None, "default": "auto", "64k": 1 << 16, "async": 0}
     rows = []
     for nbytes, n in sizes:
         x = jnp.ones(nbytes // 4, jnp.float32)
@@ -855,7 +856,15 @@ def async_part(quick):
         t = interleaved(cases, reps)
         rows.append({"bytes": nbytes, **{name: max(t[name + "3"] - t[name + "1"], 1e-9) / (2 * n)
                                         for name in modes}})
-    return {"ranks": SIZE, "default_bytes": modes["default"], "rows": rows}
+    return {"ranks": SIZE, "rows": rows, "default_spans_nodes": _default_spans_nodes()}
+
+
+def _default_spans_nodes() -> bool:
+    """Whether vjpmpi counts its default communicator's processes as on several nodes
+    (the default threshold then sends calls of 64 KiB and more to its thread)."""
+    from vjpmpi import _kernels, _mpi
+
+    return bool(_kernels.cpu._spans_nodes(_mpi.as_comm(None, "benchmark").id))
 
 
 def overlap_part(quick):
@@ -864,7 +873,7 @@ def overlap_part(quick):
     exchange, each compute-only, synchronous, and overlapped (asynchronous calls)."""
     import vjpmpi
 
-    return {"ranks": SIZE, "async_bytes": ASYNC,
+    return {"ranks": SIZE, "async_bytes": ASYNC, "default_spans_nodes": _default_spans_nodes(),
             "env": {k: os.environ.get(k) for k in NET_VARS if k in os.environ},
             "link": os.environ.get("VJPMPI_SIMNET_LINK"),
             "mlp": _dp_mlp(quick), "halo": [_halo(quick, rows) for rows in (32, 16)]}

@@ -52,8 +52,15 @@ def mpi_family() -> str:
     return "openmpi" if "Open MPI" in out.stdout + out.stderr else "mpich"
 
 
-def launch(nprocs: int) -> list[str]:
-    """The mpiexec command line for `nprocs` ranks on this machine (oversubscribed)."""
+def launch(nprocs: int, hosts: str | None = None) -> list[str]:
+    """The mpiexec command line for `nprocs` ranks on this machine (oversubscribed);
+    `hosts` (MPICH only), e.g. "localhost:2,127.0.0.1:2": ranks in that order on names
+    that MPI takes for different nodes (both this machine), so that MPI_COMM_TYPE_SHARED
+    splits them by name and messages between them go through the network module."""
+    if hosts is not None:
+        if mpi_family() != "mpich":
+            raise RuntimeError("_mpirun.launch: `hosts` needs MPICH's launcher")
+        return [mpiexec(), "-hosts", hosts, "-n", str(nprocs)]
     extra = ["--oversubscribe"] if mpi_family() == "openmpi" else []
     return [mpiexec(), *extra, "-n", str(nprocs)]
 
@@ -86,11 +93,12 @@ class Job:
     """`python argv...` started on `nprocs` ranks; `result()` waits for it (the whole job
     is killed `timeout` s after its start), `kill()` ends it now."""
 
-    def __init__(self, nprocs: int, argv: list[str], timeout: float, env: dict | None = None):
+    def __init__(self, nprocs: int, argv: list[str], timeout: float, env: dict | None = None,
+                 hosts: str | None = None):
         self.nprocs, self.timeout = nprocs, timeout
         full_env = {**os.environ, **RANK_ENV, **(env or {})}
         self.proc = subprocess.Popen(
-            [*launch(nprocs), sys.executable, *argv], cwd=TESTS, env=full_env,
+            [*launch(nprocs, hosts), sys.executable, *argv], cwd=TESTS, env=full_env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
             text=True,
         )

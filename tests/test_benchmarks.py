@@ -66,7 +66,7 @@ def test_benchmark_suite_smoke(tmp_path):
     assert all(h[k] > 0 for h in ovl["halo"] for k in ("compute", "after", "overlapped"))
     assert asy is not None, main["async_why"]
     assert [r["bytes"] for r in asy["rows"]] == [64, 1 << 16]
-    assert all(r[k] > 0 for r in asy["rows"] for k in ("sync", "default", "async"))
+    assert all(r[k] > 0 for r in asy["rows"] for k in ("sync", "default", "64k", "async"))
     # the pipeline's bubble at 2 stages, measured, and the tables' at 2-8 stages
     pipe = main["pipeline"]
     assert pipe is not None and pipe["ranks"] == 2, main["pipeline_why"]

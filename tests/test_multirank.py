@@ -68,7 +68,7 @@ from pathlib import Path
 
 import pytest
 
-from _mpirun import FAST_COMPILE, RANK_ENV, TESTS, Job, mpirun, network_env
+from _mpirun import FAST_COMPILE, RANK_ENV, TESTS, Job, mpi_family, mpirun, network_env
 
 TIMEOUT = 1200  # seconds per rank count; a deadlock fails the run instead of hanging CI
 RANKS = [int(n) for n in os.environ.get("VJPMPI_TEST_RANKS", "1,2,3,4,8").split(",")]
@@ -441,6 +441,21 @@ def test_mismatched_program_fails_within_timeout(tmp_path):
     assert re.search(r"\n  rank 1: allreduce\(SUM\) on float32\[1000\] at \S+mismatch.py:9", run.output)
     assert "vjpmpi: timeout" not in run.output, run.describe()
     assert took < 60, f"job took {took:.1f} s to end"
+
+
+@pytest.mark.skipif(mpi_family() != "mpich", reason="two host names for one machine: MPICH's launcher")
+def test_async_default_on_two_nodes():
+    """4 ranks on two host names for this machine (two nodes to MPI: MPI_COMM_TYPE_SHARED
+    splits them, messages between them take the network module): the default threshold
+    puts calls of 64 KiB or more on the communicator's thread on communicators across
+    the two nodes, and none on those within one (tests/mpi/test_async.py)."""
+    env = {**OVERSUBSCRIBED_ENV, "VJPMPI_TEST_NODES": "2", "MPIR_CVAR_CH4_NETMOD": "ofi",
+           "FI_PROVIDER": "tcp"}
+    run = Job(4, ["-m", "pytest", "mpi/test_async.py", "-q", "-p", "no:cacheprovider",
+                  "-k", "test_auto_threshold_follows_the_node_layout"],
+              timeout=300, env=env, hosts="localhost:2,127.0.0.1:2").result()
+    assert not run.timed_out and run.returncode == 0, run.describe()
+    assert len(re.findall(r"\b1 passed", run.output)) == 4, run.describe()
 
 
 def without_handles(hlo: str) -> str:

@@ -94,50 +94,59 @@ def _env_timeout() -> float:
     return value
 
 
-def _env_async_bytes() -> int | None:
+AUTO_ASYNC_BYTES: int = cpu.auto_async_bytes  # the threshold "auto" sets across nodes
+
+
+def _env_async_bytes() -> int | str | None:
     raw = os.environ.get("VJPMPI_ASYNC_BYTES", "").strip().lower()
-    if not raw or raw in ("off", "never"):
+    if not raw or raw == "auto":
+        return "auto"
+    if raw in ("off", "never"):
         return None
     try:
         value = int(raw)
     except ValueError:
         raise ValueError(
-            f"VJPMPI_ASYNC_BYTES must be a number of bytes or 'off', got {raw!r}") from None
+            f"VJPMPI_ASYNC_BYTES must be a number of bytes, 'auto' or 'off', got {raw!r}"
+        ) from None
     if value < 0:
         raise ValueError(f"VJPMPI_ASYNC_BYTES must not be negative, got {raw!r}")
     return value
 
 
-def set_async_bytes(nbytes: int | None) -> None:
-    """A call that moves at least `nbytes` (its larger side, in or out; None: none) runs
+def set_async_bytes(nbytes: int | str | None) -> None:
+    """A call that moves at least `nbytes` (its larger side, in or out; None: none;
+    "auto": AUTO_ASYNC_BYTES on a communicator across nodes, none within one node) runs
     its MPI call on the communicator's own thread while XLA runs the rest of the program
     that does not wait for it; read by each call when it runs."""
     global ASYNC_BYTES
     ASYNC_BYTES = nbytes
-    cpu.set_async_bytes(-1 if nbytes is None else nbytes)
+    cpu.set_async_bytes(cpu.async_auto if nbytes == "auto" else -1 if nbytes is None else nbytes)
 
 
-ASYNC_BYTES: int | None = None
+ASYNC_BYTES: int | str | None = "auto"
 set_async_bytes(_env_async_bytes())
 
 
 @contextlib.contextmanager
-def async_threshold(nbytes: int | None):
+def async_threshold(nbytes: int | str | None):
     """Within the block, a call that moves at least `nbytes` (its larger side, in or
     out; None: no call) runs asynchronously: on the CPU, its MPI call runs on the
     communicator's own thread while XLA runs the rest of the program that does not wait
     for its result. Results are the same either way; only where the time goes changes.
-    The setting applies to the programs dispatched inside the block, whenever they were
-    compiled: entering and leaving wait for the programs already dispatched
-    (`jax.effects_barrier()`), so that one program never runs under two settings. The
-    MPI call is the same blocking call on either thread, so ranks may use different
-    settings. The default is VJPMPI_ASYNC_BYTES, read at import
-    (unset or "off": None; opt-in while it costs alltoall on shared memory, see README).
+    "auto" (the default; VJPMPI_ASYNC_BYTES, read at import, overrides it) is 64 KiB on
+    a communicator whose processes are on more than one node (as MPI_COMM_TYPE_SHARED
+    splits COMM_WORLD) and None on one within a node, where nothing overlaps and the
+    thread hand-offs only cost. The setting applies to the programs dispatched inside
+    the block, whenever they were compiled: entering and leaving wait for the programs
+    already dispatched (`jax.effects_barrier()`), so that one program never runs under
+    two settings. The MPI call is the same blocking call on either thread, so ranks may
+    use different settings.
     """
-    if nbytes is not None and not (isinstance(nbytes, int) and not isinstance(nbytes, bool)
-                                   and nbytes >= 0):
-        raise ValueError("vjpmpi.async_threshold: `nbytes` must be an int >= 0 or None, "
-                         f"got {nbytes!r}")
+    if nbytes != "auto" and nbytes is not None and not (
+            isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes >= 0):
+        raise ValueError("vjpmpi.async_threshold: `nbytes` must be an int >= 0, 'auto' or "
+                         f"None, got {nbytes!r}")
     before = ASYNC_BYTES
     jax.effects_barrier()
     set_async_bytes(nbytes)

@@ -57,6 +57,19 @@ _default_lock = threading.Lock()
 _default: CommRef | None = None
 
 
+def _world_nodes(world: MPI.Intracomm) -> list[int]:
+    """The node of each rank of `world` (a duplicate of COMM_WORLD), numbered by the
+    node's lowest rank: the processes MPI_COMM_TYPE_SHARED puts together. Collective."""
+    local = world.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        first = np.array([local.allreduce(world.rank, op=MPI.MIN)], np.intc)
+    finally:
+        local.Free()
+    nodes = np.empty(world.size, np.intc)
+    world.Allgather(first, nodes)
+    return nodes.tolist()
+
+
 def default_comm() -> MPI.Intracomm:
     """vjpmpi's private duplicate of COMM_WORLD (made at import, errors returned).
 
@@ -70,6 +83,7 @@ def default_comm() -> MPI.Intracomm:
             dup = MPI.COMM_WORLD.Dup()
             dup.Set_errhandler(MPI.ERRORS_RETURN)
             dup.Set_name("vjpmpi.COMM_WORLD")
+            _kernels.cpu.set_world_nodes(_world_nodes(dup))
             _default = _record(dup)  # (numbers 1, 2, 3: the same in every process)
             _record(MPI.COMM_WORLD)
             _record(MPI.COMM_SELF)

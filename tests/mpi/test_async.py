@@ -10,6 +10,8 @@ the bucketed gradient sync of `vjpmpi.nn` that uses them.
   communicator's thread on some ranks and on XLA's on others makes the same MPI call
   (a hang when it was nonblocking on one thread only); a reduce_scatter where MPICH's
   nonblocking algorithm sums in another order gives the same bits both ways.
+- The default ("auto") follows the node layout: calls of 64 KiB or more are asynchronous
+  on communicators across nodes only (at 4 ranks on two nodes: tests/test_multirank.py).
 - What XLA compiles: an independent computation is scheduled between a call and the
   first use of its result.
 - At run time: computation that does not depend on a message runs while it is in
@@ -21,6 +23,7 @@ the bucketed gradient sync of `vjpmpi.nn` that uses them.
 suite included, with every call that moves data asynchronous: VJPMPI_ASYNC_BYTES=0.)
 """
 
+import os
 import re
 import time
 
@@ -166,14 +169,61 @@ def test_threshold_arguments(monkeypatch):
             assert _kernels.cpu.async_bytes() == -1
         assert _kernels.cpu.async_bytes() == 7
     assert _kernels.ASYNC_BYTES == before
-    for raw, value in (("", None), ("0", 0), (" 4096 ", 4096), ("off", None),
-                       ("OFF", None), ("never", None)):
+    with vjpmpi.async_threshold("auto"):
+        assert _kernels.cpu.async_bytes() == _kernels.cpu.async_auto
+    for raw, value in (("", "auto"), ("auto", "auto"), (" AUTO ", "auto"), ("0", 0),
+                       (" 4096 ", 4096), ("off", None), ("OFF", None), ("never", None)):
         monkeypatch.setenv("VJPMPI_ASYNC_BYTES", raw)
         assert _kernels._env_async_bytes() == value, raw
     for raw in ("-1", "64k", "yes"):
         monkeypatch.setenv("VJPMPI_ASYNC_BYTES", raw)
         with pytest.raises(ValueError, match="VJPMPI_ASYNC_BYTES"):
             _kernels._env_async_bytes()
+
+
+def _node_comms():
+    """Communicators of every layout over the nodes (MPI_COMM_TYPE_SHARED's groups):
+    name -> (mpi4py communicator (None: vjpmpi's default), whether its processes are on
+    more than one node, as this test works it out: the nodes' first ranks gathered)."""
+    node = WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    first = node.allreduce(rank, op=MPI.MIN)  # (the node's number)
+    comms = {"default": None, "world": WORLD, "dup": WORLD.Dup(), "node": node,
+             "across": WORLD.Split(node.rank, rank),  # one process of each node, by turn
+             "halves": WORLD.Split(int(rank >= (size + 1) // 2), rank),
+             "self": MPI.COMM_SELF}
+    return {name: (c, len(set((c or WORLD).allgather(first))) > 1)
+            for name, c in comms.items()}, len(set(WORLD.allgather(first)))
+
+
+def test_auto_threshold_follows_the_node_layout():
+    """"auto" (the default): a call of 64 KiB or more runs on the communicator's thread
+    where the communicator's processes are on more than one node, none within a node; an
+    explicit threshold holds for every communicator. One node in the harness's jobs;
+    tests/test_multirank.py runs this at 4 ranks on two (VJPMPI_TEST_NODES=2)."""
+    comms, nodes = _node_comms()
+    if os.environ.get("VJPMPI_TEST_NODES"):
+        assert nodes == int(os.environ["VJPMPI_TEST_NODES"]), nodes
+    auto = _kernels.AUTO_ASYNC_BYTES
+    assert auto == 1 << 16
+    went = {}
+    for name, (c, spans) in comms.items():
+        for n in (auto // 4, auto // 4 - 1):  # float32: 64 KiB, and 4 bytes less
+            x = rng(n).integers(-1000, 1000, n).astype(np.float32)  # (sums exact)
+            f = jax.jit(lambda v, c=c: vjpmpi.allreduce(v, MPI.SUM, comm=c))
+            for threshold in ("auto", None, 0):
+                before = _kernels.cpu._async_calls()
+                with vjpmpi.async_threshold(threshold):
+                    y = np.asarray(f(x))
+                went[name, n, threshold] = _kernels.cpu._async_calls() - before
+                np.testing.assert_array_equal(y, (c or WORLD).allreduce(x, op=MPI.SUM))
+            assert went[name, n, "auto"] == int(spans and 4 * n >= auto), (name, n, spans, went)
+            assert went[name, n, None] == 0 and went[name, n, 0] == 1, (name, n, went)
+    for name in ("dup", "node", "across", "halves"):
+        comms[name][0].Free()
+    if nodes == 1:
+        assert not any(spans for _, spans in comms.values())
+    else:  # (both kinds seen)
+        assert comms["world"][1] and comms["across"][1] and not comms["node"][1]
 
 
 # ------------------------------------------------------ compute meets message --

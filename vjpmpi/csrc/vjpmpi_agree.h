@@ -89,6 +89,7 @@ struct CommEntry {
   std::atomic<MPI_Comm> comm{MPI_COMM_NULL};  // MPI_COMM_NULL once freed
   int64_t id = 0;
   int size = 0, rank = 0;
+  bool spans_nodes = false;  // its processes are on more than one node (SpansNodes)
   std::atomic<uint64_t> owner{0};  // the Python thread that owns its collectives (0: none yet)
   std::atomic<bool> busy{false};   // set through each collective on it
   int64_t count = 0;               // collectives run on it by this process

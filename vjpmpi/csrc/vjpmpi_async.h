@@ -1,5 +1,5 @@
 // Asynchronous collectives on the host: a thread per communicator runs the MPI calls of
-// the handlers that move at least AsyncBytes() (VJPMPI_ASYNC_BYTES), in the order the
+// the handlers that move at least the threshold (GoesAsync), in the order the
 // handlers post them, while XLA's executor runs whatever in the program does not wait
 // for the message; the handler returns a future that the job completes, on another
 // thread (Completers below).
@@ -20,6 +20,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "vjpmpi_agree.h"
 #include "vjpmpi_mpi.h"
 
 namespace vjpmpi {
@@ -145,24 +146,30 @@ inline void Complete(std::function<void()> job) {
 }
 
 // The smallest call, in bytes (its larger side, in or out), whose MPI call runs on the
-// communicator's thread; -1: none. Set from Python (VJPMPI_ASYNC_BYTES at import,
-// vjpmpi.async_threshold), read by each call when it runs.
+// communicator's thread; -1: none; kAsyncAuto: kAutoAsyncBytes on a communicator whose
+// processes are on more than one node, none on one within a node. Set from Python
+// (VJPMPI_ASYNC_BYTES at import, vjpmpi.async_threshold), read by each call when it runs.
+inline constexpr int64_t kAsyncAuto = -2;
+inline constexpr int64_t kAutoAsyncBytes = 1 << 16;
 inline std::atomic<int64_t>& AsyncBytes() {
-  static std::atomic<int64_t> bytes{-1};
+  static std::atomic<int64_t> bytes{kAsyncAuto};
   return bytes;
 }
 
-// Whether a call moving `moved` bytes runs on the communicator's thread: it moves data,
-// at least AsyncBytes(), and MPI lets another thread make the calls
+// Whether a call moving `moved` bytes on `ce` runs on the communicator's thread: it
+// moves data, at least the threshold, and MPI lets another thread make the calls
 // (MPI_THREAD_SERIALIZED or more; where it does not, every call runs on XLA's thread).
+// Within one node nothing overlaps (shared-memory transfers are the CPU's work) and the
+// hand-offs only cost: by default calls go there only on a communicator across nodes.
 // The MPI call is the same blocking call wherever it runs: which thread runs a call
 // that stays on XLA's side depends on timing (the thread that completes its last input
 // runs it), and MPI never matches a blocking collective with a nonblocking one (an
 // earlier version used nonblocking calls on this thread only, and a 4-rank FFT hung
 // with one rank in MPI_Allreduce and another in MPI_Iallreduce); their algorithms
 // differ too (MPICH's MPI_Ireduce_scatter_block sums in another order at 4 ranks).
-inline bool GoesAsync(size_t moved) {
+inline bool GoesAsync(size_t moved, const CommEntry& ce) {
   int64_t limit = AsyncBytes().load(std::memory_order_relaxed);
+  if (limit == kAsyncAuto) limit = ce.spans_nodes ? kAutoAsyncBytes : -1;
   if (limit < 0 || moved == 0 || moved < static_cast<size_t>(limit)) return false;
   int provided = MPI_THREAD_SINGLE;
   MPI_Query_thread(&provided);

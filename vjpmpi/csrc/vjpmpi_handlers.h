@@ -174,7 +174,7 @@ std::string Tail(Runtime& rt, Mem& mem, Call& c, const Attrs& a, CommEntry* ce, 
 // (alive, and for a collective this thread's), `prepare` (what needs the communicator,
 // such as its size), then Tail. `body` copies what it uses (raw pointers, not XLA's
 // buffer objects): where calls may run asynchronously (Async, host memory), a call that
-// moves at least AsyncBytes() (its larger side, in or out: `moved`) returns at once and
+// moves at least the threshold (its larger side, in or out: `moved`; GoesAsync) returns at once and
 // Tail runs on the communicator's thread (vjpmpi_async.h), which completes the future.
 template <bool Async, typename Mem, typename Prepare, typename Body>
 Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t moved,
@@ -199,7 +199,7 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
   if (e.empty()) e = prepare();
   if (e.empty()) {
     if constexpr (Async) {
-      const bool go = GoesAsync(moved);
+      const bool go = GoesAsync(moved, *ce);
       // (the agreement here, on the calling thread, before the post: on the
       // communicator's thread a later program's first collective once waited for ever
       // in MPICH, probably the blocking/nonblocking mismatch of vjpmpi_async.h's
@@ -636,9 +636,23 @@ void DefineRuntime(nb::module_& m) {
   m.def("_async_calls", []() { return owned_runtime.async_calls.load(); });
   m.def("_on_comm_thread", []() { return OnCommThread(); });
   // the smallest call (bytes, its larger side) that runs on the communicator's thread;
-  // -1: none (vjpmpi.async_threshold, VJPMPI_ASYNC_BYTES)
+  // -1: none; -2 (async_auto): auto_async_bytes across nodes, none within one
+  // (vjpmpi.async_threshold, VJPMPI_ASYNC_BYTES)
   m.def("set_async_bytes", [](int64_t n) { AsyncBytes().store(n); });
   m.def("async_bytes", []() { return AsyncBytes().load(); });
+  m.attr("async_auto") = kAsyncAuto;
+  m.attr("auto_async_bytes") = kAutoAsyncBytes;
+  // set_world_nodes(node of each COMM_WORLD rank): at import (vjpmpi._mpi.default_comm),
+  // before the first communicator gets its number (one numbered before counts as one node)
+  m.def("set_world_nodes", [](std::vector<int> nodes) {
+    std::lock_guard<std::mutex> lock(owned_runtime.comms.mutex);
+    owned_runtime.world_nodes = std::move(nodes);
+  });
+  m.def("_spans_nodes", [](int64_t id) {
+    CommEntry* e = owned_runtime.comms.Get(id);
+    if (e == nullptr) throw std::runtime_error("no such communicator number");
+    return e->spans_nodes;
+  });
   m.def("call_counts", []() {
     return nb::make_tuple(owned_runtime.calls.load(), owned_runtime.overlaps.load());
   });

@@ -43,6 +43,9 @@ struct Runtime {
   std::vector<CommEntry*> open_channels;
   int comm_key = MPI_KEYVAL_INVALID;  // the attribute that holds a communicator's number
   std::once_flag comm_keys;
+  // The node of each COMM_WORLD rank (a number per node; set once from Python at import,
+  // before the first communicator gets its number); empty: not known.
+  std::vector<int> world_nodes;
 
   // Receive statuses by slot (the `status` attribute): the address of a live
   // mpi4py MPI.Status, removed when the object dies.
@@ -82,7 +85,7 @@ struct Runtime {
 };
 
 // Bump when Runtime changes (members, order or meaning).
-inline constexpr uint32_t kRuntimeLayout = 2;
+inline constexpr uint32_t kRuntimeLayout = 3;
 inline constexpr uint64_t kRuntimeMagic = 0x766a706d70697274ULL;  // "vjpmpirt"
 
 #define VJPMPI_STR2(x) #x
@@ -264,6 +267,27 @@ inline int Finalizing(MPI_Comm, int, void*, void*) {
   return MPI_SUCCESS;
 }
 
+// Whether `comm`'s processes are on more than one node, by Runtime::world_nodes (a
+// process outside COMM_WORLD counts as another node; nodes not known: false). Local MPI
+// calls only: a communicator's first use is no collective point.
+inline bool SpansNodes(const Runtime& rt, MPI_Comm comm, int size) {
+  if (size < 2 || rt.world_nodes.empty()) return false;
+  MPI_Group group, world;
+  MPI_Comm_group(comm, &group);
+  MPI_Comm_group(MPI_COMM_WORLD, &world);
+  std::vector<int> ranks(size), in_world(size);
+  for (int i = 0; i < size; ++i) ranks[i] = i;
+  MPI_Group_translate_ranks(group, size, ranks.data(), world, in_world.data());
+  MPI_Group_free(&group);
+  MPI_Group_free(&world);
+  const int n = static_cast<int>(rt.world_nodes.size());
+  auto node = [&](int w) { return w >= 0 && w < n ? rt.world_nodes[w] : -1; };
+  for (int w : in_world) {
+    if (node(w) < 0 || node(w) != node(in_world[0])) return true;
+  }
+  return false;
+}
+
 // vjpmpi's number for `comm` (given at its first use, kept on it as an attribute, so
 // every mpi4py object of one communicator has the same number).
 inline std::string CommNumber(Runtime& rt, MPI_Comm comm, int64_t* id) {
@@ -287,6 +311,7 @@ inline std::string CommNumber(Runtime& rt, MPI_Comm comm, int64_t* id) {
   if (entry == nullptr) return "vjpmpi: too many communicators";
   MPI_Comm_size(comm, &entry->size);
   MPI_Comm_rank(comm, &entry->rank);
+  entry->spans_nodes = SpansNodes(rt, comm, entry->size);
   entry->comm.store(comm, std::memory_order_release);
   *id = entry->id;
   return Check(MPI_Comm_set_attr(comm, rt.comm_key, reinterpret_cast<void*>(

@@ -192,9 +192,10 @@ def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None
     a backward pass produces the gradients of layers applied in tree order), into
     buckets of at most `bucket_bytes` (a larger leaf is a bucket of its own; None: one
     per dtype). Each bucket is one allreduce, issued as soon as the backward pass has
-    produced its gradients, in the same order on every rank; with asynchronous calls on
-    (VJPMPI_ASYNC_BYTES, vjpmpi.async_threshold) a bucket of at least the threshold
-    travels while the backward pass goes on. The gradient equals `allreduce_gradients` of the local gradient, bit for bit.
+    produced its gradients, in the same order on every rank; a bucket of at least the
+    asynchronous threshold (by default 64 KiB on a communicator across nodes:
+    vjpmpi.async_threshold) travels while the backward pass goes on. The gradient
+    equals `allreduce_gradients` of the local gradient, bit for bit.
     Shape: the identity on the pytree.
     Transpose: allreduce(SUM) of each bucket's cotangent (scaled by 1/size for the mean).
     """
