@@ -444,18 +444,21 @@ def test_mismatched_program_fails_within_timeout(tmp_path):
 
 
 @pytest.mark.skipif(mpi_family() != "mpich", reason="two host names for one machine: MPICH's launcher")
-def test_async_default_on_two_nodes():
+def test_async_default_on_two_nodes(tmp_path):
     """4 ranks on two host names for this machine (two nodes to MPI: MPI_COMM_TYPE_SHARED
     splits them, messages between them take the network module): the default threshold
     puts calls of 64 KiB or more on the communicator's thread on communicators across
     the two nodes, and none on those within one (tests/mpi/test_async.py)."""
     env = {**OVERSUBSCRIBED_ENV, "VJPMPI_TEST_NODES": "2", "MPIR_CVAR_CH4_NETMOD": "ofi",
            "FI_PROVIDER": "tcp"}
+    test = "test_auto_threshold_follows_the_node_layout"
     run = Job(4, ["-m", "pytest", "mpi/test_async.py", "-q", "-p", "no:cacheprovider",
-                  "-k", "test_auto_threshold_follows_the_node_layout"],
+                  "-k", test, f"--junitxml={tmp_path}/results.rank{{rank}}.xml"],
               timeout=300, env=env, hosts="localhost:2,127.0.0.1:2").result()
     assert not run.timed_out and run.returncode == 0, run.describe()
-    assert len(re.findall(r"\b1 passed", run.output)) == 4, run.describe()
+    for r in range(4):  # (each rank ran the test, and it passed there)
+        results = read_junit(tmp_path / f"results.rank{r}.xml", ["mpi/test_async.py"])
+        assert results == {"mpi/test_async.py": {test: ("passed", "")}}, (r, results)
 
 
 def without_handles(hlo: str) -> str:

@@ -174,8 +174,9 @@ std::string Tail(Runtime& rt, Mem& mem, Call& c, const Attrs& a, CommEntry* ce, 
 // (alive, and for a collective this thread's), `prepare` (what needs the communicator,
 // such as its size), then Tail. `body` copies what it uses (raw pointers, not XLA's
 // buffer objects): where calls may run asynchronously (Async, host memory), a call that
-// moves at least the threshold (its larger side, in or out: `moved`; GoesAsync) returns at once and
-// Tail runs on the communicator's thread (vjpmpi_async.h), which completes the future.
+// moves at least the threshold (its larger side, in or out: `moved`; GoesAsync) returns
+// at once and Tail runs on the communicator's thread (vjpmpi_async.h), which completes
+// the future.
 template <bool Async, typename Mem, typename Prepare, typename Body>
 Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t moved,
                   Prepare prepare, Body body) {
