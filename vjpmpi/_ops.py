@@ -323,6 +323,11 @@ SPECS = {
         # Private: no data moves, the ranks agree on a zero-size array's shape and dtype
         # (a composite's global array: vjpmpi.fft); transpose: itself.
         Collective("agree", _like(0), transpose=_partner("agree")),
+        # Private: the identity at this point of the program's order (no MPI call, no
+        # trace, never asynchronous), opaque to XLA's fusion: vjpmpi.nn's pipeline holds
+        # values there; transpose: itself. (Pairs with nothing: no part in the agreement.)
+        Collective("hold", _like(0), alias=(0, 0), transpose=_partner("hold"),
+                   point_to_point=True),
         # The replicated-value pair (JAX's psum / pvary, Megatron's g / f).
         Collective("sum_replicated", _like(0), _RED, alias=(0, 0), target="allreduce",
                    transpose=_partner("use_replicated")),
@@ -624,6 +629,13 @@ def _sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG,
         recvtag=_tag(recvtag, "sendrecv", "recvtag", any_ok=True),
         status=_status(status, "sendrecv"), invalid=invalid,
     )
+    return y
+
+
+def hold(x, comm):
+    """`x` as it is at this point of the program's order on `comm` (a private identity
+    that XLA's fusion cannot cross; no message). Shape: x's. Transpose: hold."""
+    (y,) = bind(PRIMITIVES["hold"], [x], as_comm(comm, "hold"))
     return y
 
 

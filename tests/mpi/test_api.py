@@ -241,8 +241,9 @@ def test_every_op_is_one_spec_and_one_primitive():
         "sum_replicated", "use_replicated",
         # private, for the derivatives of MAX/MIN/PROD
         "exscan_reversed", "others_product", "recurrence", "recurrence_reversed",
-        # private: the ranks agree on a composite's global shape (vjpmpi.fft)
-        "agree"}
+        # private: the ranks agree on a composite's global shape (vjpmpi.fft); an
+        # ordered identity without MPI (vjpmpi.nn's pipeline)
+        "agree", "hold"}
     for name, prim in _ops.PRIMITIVES.items():
         assert prim.name == f"vjpmpi_{name}"
         assert _ops.LINEARIZED[name].name == f"vjpmpi_{name}_lin"

@@ -17,7 +17,7 @@ from jax import export
 from mpi4py import MPI
 
 import vjpmpi
-from vjpmpi import _kernels
+from vjpmpi import _kernels, _ops
 
 from helpers import WORLD
 from test_api import assert_chain, chain
@@ -56,6 +56,8 @@ OPS = {
     "barrier": (lambda v: (vjpmpi.barrier(), v + 1.0)[1], (4, 3)),
     "sum_replicated": (vjpmpi.sum_replicated, (4, 3)),
     "use_replicated": (lambda v: vjpmpi.use_replicated(v) * 2.0, (4, 3)),
+    # private: vjpmpi.nn's pipeline holds values with it
+    "hold": (lambda v: _ops.hold(v * 2.0, None), (4, 3)),
 }
 
 

@@ -167,6 +167,12 @@ struct CudaMem {
     // the pinned buffers are reused by the next call: wait for the copies
     return CudaCheck(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   }
+
+  // (device to device, in the stream's order)
+  std::string Copy(void* dst, const void* src, size_t n) {
+    return CudaCheck(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream),
+                     "cudaMemcpyAsync (device to device)");
+  }
 };
 
 }  // namespace vjpmpi

@@ -466,6 +466,27 @@ VJPMPI_DEFINE(kBarrier, BarrierImpl,
                        .Ret<ffi::Token>()  // ordering token
                            VJPMPI_ATTRS);
 
+// hold: (x, token) -> (y, token), y = x in x's buffer (aliased; a copy only where XLA
+// gave y a buffer of its own). No MPI, no trace, never asynchronous: a point of the
+// program's order that XLA's fusion cannot cross (vjpmpi.nn's pipeline holds values there).
+template <bool Async>
+Result<Async> HoldImpl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token,
+                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                       VJPMPI_ATTR_PARAMS) {
+  (void)run;
+  void* out = y->untyped_data();
+  const void* in = x.untyped_data();
+  auto mem = VJPMPI_MEM;
+  return Finish<Async>(out == in ? std::string() : mem.Copy(out, in, x.size_bytes()));
+}
+VJPMPI_DEFINE(kHold, HoldImpl,
+                   VJPMPI_BIND
+                       .Arg<ffi::AnyBuffer>()  // x
+                       .Arg<ffi::Token>()      // ordering token
+                       .Ret<ffi::AnyBuffer>()  // y
+                       .Ret<ffi::Token>()      // ordering token
+                           VJPMPI_ATTRS);
+
 template <typename T>
 nb::capsule Capsule(T* fn) {
   static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
@@ -523,6 +544,7 @@ void DefineCommon(nb::module_& m) {
     VJPMPI_REGISTER("agree", kAgree)
     VJPMPI_REGISTER("recurrence", kRecurrence)
     VJPMPI_REGISTER("others_product", kOthersProduct)
+    VJPMPI_REGISTER("hold", kHold)
 #undef VJPMPI_REGISTER
     return d;
   });

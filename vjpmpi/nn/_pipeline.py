@@ -21,10 +21,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray, PyTree
-from mpi4py import MPI
 
 from .._mpi import as_comm
-from .._ops import agree_on, bcast, recv, send, sendrecv
+from .._ops import agree_on, bcast, hold, recv, send, sendrecv
 
 _OP = "nn.pipeline_value_and_grad"
 # The tags of the pipeline's messages on its communicator (activations, cotangents).
@@ -217,14 +216,11 @@ def _take(tree: PyTree, i) -> PyTree:
 
 
 def _hold(tree: PyTree, ref) -> PyTree:
-    """`tree` as it is at this point of the program: each array passes through a
-    point-to-point exchange with `MPI.PROC_NULL` peers (no message; ordered with the
-    pipeline's messages, and opaque to XLA's fusion). The array is the receive buffer,
-    which the result aliases (an empty send buffer: passing the array as both made XLA
-    copy it at every hold)."""
-    return jax.tree_util.tree_map(
-        lambda a: sendrecv(jnp.ravel(a)[:0], a, MPI.PROC_NULL, MPI.PROC_NULL,
-                           comm=ref.comm), tree)
+    """`tree` as it is at this point of the program: each array passes through vjpmpi's
+    private identity on the pipeline's communicator (no message; ordered with the
+    pipeline's messages, opaque to XLA's fusion, and in place: the result aliases the
+    array)."""
+    return jax.tree_util.tree_map(lambda a: hold(a, ref.comm), tree)
 
 
 def _add(a: PyTree, b: PyTree, ref) -> PyTree:
