@@ -121,7 +121,8 @@ def set_async_bytes(nbytes: int | str | None) -> None:
     that does not wait for it; read by each call when it runs."""
     global ASYNC_BYTES
     ASYNC_BYTES = nbytes
-    cpu.set_async_bytes(cpu.async_auto if nbytes == "auto" else -1 if nbytes is None else nbytes)
+    auto = isinstance(nbytes, str) and nbytes == "auto"
+    cpu.set_async_bytes(cpu.async_auto if auto else -1 if nbytes is None else nbytes)
 
 
 ASYNC_BYTES: int | str | None = "auto"
@@ -143,7 +144,8 @@ def async_threshold(nbytes: int | str | None):
     two settings. The MPI call is the same blocking call on either thread, so ranks may
     use different settings.
     """
-    if nbytes != "auto" and nbytes is not None and not (
+    auto = isinstance(nbytes, str) and nbytes == "auto"
+    if not auto and nbytes is not None and not (
             isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes >= 0):
         raise ValueError("vjpmpi.async_threshold: `nbytes` must be an int >= 0, 'auto' or "
                          f"None, got {nbytes!r}")

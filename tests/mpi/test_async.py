@@ -158,7 +158,7 @@ def test_threshold_counts_the_larger_side():
 
 
 def test_threshold_arguments(monkeypatch):
-    for bad in (-1, 1.5, "64"):
+    for bad in (-1, 1.5, "64", "AUTO", np.arange(2)):
         with pytest.raises(ValueError, match=r"vjpmpi.async_threshold: `nbytes`"):
             with vjpmpi.async_threshold(bad):
                 pass
