@@ -114,6 +114,10 @@ def _env_async_bytes() -> int | str | None:
     return value
 
 
+def _is_auto(nbytes) -> bool:  # (the string only: an array argument is not "auto")
+    return isinstance(nbytes, str) and nbytes == "auto"
+
+
 def set_async_bytes(nbytes: int | str | None) -> None:
     """A call that moves at least `nbytes` (its larger side, in or out; None: none;
     "auto": AUTO_ASYNC_BYTES on a communicator across nodes, none within one node) runs
@@ -121,8 +125,7 @@ def set_async_bytes(nbytes: int | str | None) -> None:
     that does not wait for it; read by each call when it runs."""
     global ASYNC_BYTES
     ASYNC_BYTES = nbytes
-    auto = isinstance(nbytes, str) and nbytes == "auto"
-    cpu.set_async_bytes(cpu.async_auto if auto else -1 if nbytes is None else nbytes)
+    cpu.set_async_bytes(cpu.async_auto if _is_auto(nbytes) else -1 if nbytes is None else nbytes)
 
 
 ASYNC_BYTES: int | str | None = "auto"
@@ -144,8 +147,7 @@ def async_threshold(nbytes: int | str | None):
     two settings. The MPI call is the same blocking call on either thread, so ranks may
     use different settings.
     """
-    auto = isinstance(nbytes, str) and nbytes == "auto"
-    if not auto and nbytes is not None and not (
+    if not _is_auto(nbytes) and nbytes is not None and not (
             isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes >= 0):
         raise ValueError("vjpmpi.async_threshold: `nbytes` must be an int >= 0, 'auto' or "
                          f"None, got {nbytes!r}")

@@ -209,6 +209,34 @@ def test_each_new_program_is_compared_once(comm):
     assert compared == (0 if size == 1 else 8 if CHECK else 1)
 
 
+def test_a_root_still_comparing_while_its_peers_run_ahead(comm):
+    """A loop of 100 reduces to the last rank, the first compared (a new program): the
+    other ranks' sends are eager, so they run ahead of the root. No rank leaves the
+    comparison before every rank has read what it needs: before, a root still reading
+    when more than 64 unmatched messages had reached it waited for ever under MPICH over
+    libfabric's TCP provider (CI's network part: the connection stops there,
+    FI_TCP_MAX_SAVED, and the read's reply waits behind them)."""
+    for shift in range(3):
+        x = np.arange(3.0 + shift) + rank  # (a new shape: a new program)
+
+        def f(v, shift=shift):
+            def body(j, acc):
+                return acc + vjpmpi.reduce(v * (j + 1) + shift, MPI.SUM, last, comm=comm)
+            return jax.lax.fori_loop(0, 100, body, jnp.zeros_like(v))
+
+        v = to_device(x)
+        run = jax.jit(f).lower(v).compile()
+        comm.Barrier()  # (the ranks start together: the others' sends come early)
+        before = _kernels.cpu.verified_count()
+        got = np.asarray(run(v))
+        j = np.arange(1.0, 101.0)[:, None]
+        total = sum(np.arange(3.0 + shift) + r for r in range(size))
+        # the root gets the sum over ranks; a non-root's reduce returns its input
+        want = (j * total + size * shift if rank == last else j * x + shift).sum(0)
+        np.testing.assert_array_equal(got, want)
+        assert _kernels.cpu.verified_count() - before == (0 if size == 1 else 100 if CHECK else 1)
+
+
 # ------------------------------------------ checks only some ranks can make --
 def test_scatter_root_refusal_fails_on_every_rank(comm):
     """Only the root can check its input's rank axis: a bad one fails the scatter on

@@ -423,7 +423,8 @@ inline std::string ReadMessage(Channel& ch, int q) {
   return h.message;
 }
 
-enum PeerState { kWaiting, kHave, kAhead, kFinalized };
+// (kUnread: a read of its window that MPI did not complete by the deadline)
+enum PeerState { kWaiting, kHave, kAhead, kFinalized, kUnread };
 
 // The rows of a message: each rank's collective #k (or where it is instead).
 inline std::string Rows(Runtime& rt, const std::vector<Entry>& all,
@@ -441,6 +442,10 @@ inline std::string Rows(Runtime& rt, const std::vector<Entry>& all,
       }
     } else if (state[q] == kFinalized) {
       s += "has called MPI_Finalize without running it";
+    } else if (state[q] == kUnread) {
+      s += "its window could not be read: MPI did not complete the read (with MPICH over "
+           "libfabric's TCP provider, more than FI_TCP_MAX_SAVED unmatched messages from it "
+           "stop the connection; it may be running ahead)";
     } else if (state[q] == kAhead) {
       s += "ran it and " + std::to_string(kRing) + " or more collectives after it, unchecked";
     } else {
@@ -458,6 +463,15 @@ inline std::string Rows(Runtime& rt, const std::vector<Entry>& all,
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   MPI_Abort(MPI_COMM_WORLD, 4);
   std::_Exit(4);
+}
+
+// Collectives whose every result depends on every rank's input: no rank leaves one
+// before every rank has entered it.
+inline bool NoRankLeavesFirst(const char* op) {
+  for (const char* name : {"allreduce", "allgather", "alltoall", "reduce_scatter", "barrier"}) {
+    if (std::strcmp(op, name) == 0) return true;
+  }
+  return false;
 }
 
 // Wait for every other rank's entry for collective `mine.k`; compare; "" when they
@@ -487,10 +501,17 @@ inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine
       if (state[q] != kWaiting) continue;
       std::string e = Read(ch, q, k, &p, c.op, deadline, &late);
       if (!e.empty()) return e;
-      if (late) break;
+      if (late) {
+        state[q] = kUnread;
+        break;
+      }
       if (p.entry.k == k && p.entry.k_end == k) {
-        e = Read(ch, q, k, &p, c.op);  // (complete before this read began: consistent)
-        if (!e.empty()) return e;
+        e = Read(ch, q, k, &p, c.op, deadline, &late);  // (complete before this read began:
+        if (!e.empty()) return e;                          // consistent)
+        if (late) {
+          state[q] = kUnread;
+          break;
+        }
         all[q] = p.entry;
         state[q] = kHave;
       } else if (p.entry.k_end > k && p.entry.k_end == p.entry.k) {
@@ -595,6 +616,19 @@ inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine
   } else if (error.empty() && gone) {
     error = head + "not every rank runs this collective " + where + "; each rank:" +
             Rows(rt, all, state, me);
+  }
+  // When every rank compares, none runs ahead before every rank has read what it needs.
+  // Otherwise a rank whose reads were done could run on, and the collectives after this
+  // one (a root's, with eager sends) could queue more messages to a rank still reading
+  // than its MPI library holds unmatched: with MPICH over libfabric's TCP provider (64
+  // per connection, FI_TCP_MAX_SAVED) the connection stops there and the read's reply
+  // waits behind them for ever. A collective that no rank leaves before every rank has
+  // entered it is that barrier already (when it runs: not after an error); before the
+  // others, a barrier on the window's communicator (its messages travel before any of
+  // those).
+  if (all_told && (!error.empty() || !NoRankLeavesFirst(c.op))) {
+    std::string e = Check(MPI_Barrier(ch.dup), c.op, "MPI_Barrier (agreement)");
+    if (!e.empty()) return e;
   }
   if (error.empty()) return {};
   if (!all_told) {
