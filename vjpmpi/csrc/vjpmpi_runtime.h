@@ -5,6 +5,7 @@
 // (VJPMPI_TIMEOUT).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -534,10 +535,13 @@ inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine
       std::snprintf(head_text, sizeof(head_text), "vjpmpi: timeout (%s=%g s): rank %d of %d has waited %.1f s in ",
                     rt.timeout_seconds.load() > 0 ? "VJPMPI_TIMEOUT" : "VJPMPI_CHECK's limit",
                     limit, world, world_size, waited);
+      const bool unread = std::find(state.begin(), state.end(), kUnread) != state.end();
       std::string msg = head_text + (mine.site ? Site(rt, mine.site, c.op) : Describe(mine)) +
                         ", on a communicator of " + std::to_string(n) + " ranks (rank " +
-                        std::to_string(me) + " there); the other ranks did not join it (it is "
-                        "their collective #" + std::to_string(k) + " there); each rank:" +
+                        std::to_string(me) + " there); " +
+                        (unread ? "MPI did not complete its read of another rank's entry"
+                                : "the other ranks did not join it") +
+                        " (it is their collective #" + std::to_string(k) + " there); each rank:" +
                         Rows(rt, all, state, me);
       const int64_t soon = NowNs() + 1000000000;  // (what arrives within a second)
       for (int q = 0; q < n; ++q) {
