@@ -46,6 +46,8 @@ enum EntryFlags : int32_t {
   kReverse = 4,    // a scan from the last rank down
   kUsesRed = 8,    // the op takes a reduction
   kUsesRoot = 16,  // the op takes a root
+  kWaitsForAll = 32,  // each rank's result needs every other rank's input: no rank leaves
+                      // the op before every rank has entered it (allreduce; not reduce)
 };
 
 // One collective as a rank published it (slot k % kRing of its ring).

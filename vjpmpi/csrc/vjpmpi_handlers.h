@@ -348,7 +348,7 @@ Result<Async> RecurrenceH(Mem mem, ffi::AnyBuffer a, ffi::AnyBuffer b,
 // token -> token
 template <bool Async, typename Mem>
 Result<Async> BarrierH(Mem mem, const Attrs& a) {
-  Call c = MakeCall("barrier", a, 0);
+  Call c = MakeCall("barrier", a, kWaitsForAll);
   c.kind = Kind::kU8;
   return Run<Async>(mem, c, a, true, 0, Ok, [=](Mem& mem, const Call& c) {
     std::string e = mem.Begin();
@@ -406,18 +406,18 @@ constexpr bool kHostAsync = false;
                          .Ret<ffi::Token>()     /* ordering token */                       \
                              VJPMPI_ATTRS)
 
-constexpr int kRed = kUsesRed, kRoot = kUsesRoot;
-VJPMPI_UNARY(kAllreduce, "allreduce", Allreduce, Count::kIn, kRed);
+constexpr int kRed = kUsesRed, kRoot = kUsesRoot, kAll = kWaitsForAll;
+VJPMPI_UNARY(kAllreduce, "allreduce", Allreduce, Count::kIn, kRed | kAll);
 VJPMPI_UNARY(kReduce, "reduce", Reduce, Count::kIn, kRed | kRoot);
 VJPMPI_UNARY(kBcast, "bcast", Bcast, Count::kIn, kRoot);
-VJPMPI_UNARY(kAllgather, "allgather", Allgather, Count::kIn, 0);
+VJPMPI_UNARY(kAllgather, "allgather", Allgather, Count::kIn, kAll);
 VJPMPI_UNARY(kGather, "gather", Gather, Count::kIn, kRoot);
 VJPMPI_UNARY(kScatter, "scatter", Scatter, Count::kOut, kRoot);
-VJPMPI_UNARY(kAlltoall, "alltoall", Alltoall, Count::kInPerRank, 0);
-VJPMPI_UNARY(kReduceScatter, "reduce_scatter", ReduceScatter, Count::kOut, kRed);
+VJPMPI_UNARY(kAlltoall, "alltoall", Alltoall, Count::kInPerRank, kAll);
+VJPMPI_UNARY(kReduceScatter, "reduce_scatter", ReduceScatter, Count::kOut, kRed | kAll);
 VJPMPI_UNARY(kScan, "scan", Scan, Count::kIn, kRed);
 VJPMPI_UNARY(kExscan, "exscan", Exscan, Count::kIn, kRed);
-VJPMPI_UNARY(kOthersProduct, "others_product", OthersProduct, Count::kIn, 0);
+VJPMPI_UNARY(kOthersProduct, "others_product", OthersProduct, Count::kIn, kAll);
 VJPMPI_UNARY(kRecv, "recv", Recv, Count::kOut, 0);
 VJPMPI_UNARY(kAgree, "agree", AgreeOnly, Count::kIn, 0);
 

@@ -418,7 +418,7 @@ struct Call {
   MPI_Status* status;
   bool reverse = false;  // scans: over the ranks in reverse order (see OrderedComm)
   bool host_op = false;  // reduces with a host function (must see host memory)
-  int uses = 0;          // which of red / root the op takes (EntryFlags kUsesRed, kUsesRoot)
+  int uses = 0;  // which of red / root the op takes, whether it waits for all (EntryFlags)
   // The shape every rank must agree on: the per-rank block (for send: what is sent;
   // for recv and sendrecv, dims2: the receive template).
   const int64_t* dims = nullptr;

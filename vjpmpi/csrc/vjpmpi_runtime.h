@@ -466,15 +466,6 @@ inline std::string Rows(Runtime& rt, const std::vector<Entry>& all,
   std::_Exit(4);
 }
 
-// Collectives whose every result depends on every rank's input: no rank leaves one
-// before every rank has entered it.
-inline bool NoRankLeavesFirst(const char* op) {
-  for (const char* name : {"allreduce", "allgather", "alltoall", "reduce_scatter", "barrier"}) {
-    if (std::strcmp(op, name) == 0) return true;
-  }
-  return false;
-}
-
 // Wait for every other rank's entry for collective `mine.k`; compare; "" when they
 // agree, else the error (raised when every rank compares, else the job ends).
 inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine,
@@ -627,10 +618,10 @@ inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine
   // than its MPI library holds unmatched: with MPICH over libfabric's TCP provider (64
   // per connection, FI_TCP_MAX_SAVED) the connection stops there and the read's reply
   // waits behind them for ever. A collective that no rank leaves before every rank has
-  // entered it is that barrier already (when it runs: not after an error); before the
-  // others, a barrier on the window's communicator (its messages travel before any of
-  // those).
-  if (all_told && (!error.empty() || !NoRankLeavesFirst(c.op))) {
+  // entered it (kWaitsForAll, set in the handlers' table) is that barrier already (when
+  // it runs: not after an error); before the others, a barrier on the window's
+  // communicator (its messages travel before any of those).
+  if (all_told && (!error.empty() || !(c.uses & kWaitsForAll))) {
     std::string e = Check(MPI_Barrier(ch.dup), c.op, "MPI_Barrier (agreement)");
     if (!e.empty()) return e;
   }
