@@ -16,6 +16,7 @@ from ._ops import alltoall as alltoall  # noqa: E402
 from ._ops import barrier as barrier  # noqa: E402
 from ._ops import bcast as bcast  # noqa: E402
 from ._ops import exscan as exscan  # noqa: E402
+from ._ops import fence as fence  # noqa: E402
 from ._ops import gather as gather  # noqa: E402
 from ._ops import recv as recv  # noqa: E402
 from ._ops import reduce as reduce  # noqa: E402
@@ -27,6 +28,9 @@ from ._ops import sendrecv as sendrecv  # noqa: E402
 from ._ops import sum_replicated as sum_replicated  # noqa: E402
 from ._ops import use_replicated as use_replicated  # noqa: E402
 from ._composite import ordered_collective as ordered_collective  # noqa: E402
+from ._split import Pending as Pending  # noqa: E402
+from ._split import start as start  # noqa: E402
+from ._split import wait as wait  # noqa: E402
 from ._kernels import async_threshold as async_threshold  # noqa: E402
 from ._grid import ProcessGrid as ProcessGrid  # noqa: E402
 from . import fft as fft  # noqa: E402

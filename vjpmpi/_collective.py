@@ -173,7 +173,13 @@ jc.register_effect(Ordered, ordered=True)
 _SPEC_OF: dict[jc.Primitive, "Collective"] = {}
 
 
+# More checks of a program before it is lowered: `check(jaxpr)` raises (vjpmpi.start's).
+LOWERING_CHECKS: list[Callable[[jc.Jaxpr], None]] = []
+
+
 def _mark(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
+    for check in LOWERING_CHECKS:
+        check(jaxpr)
     own, exported = _members(jaxpr)
     if exported and own + exported > 1:
         raise NotImplementedError(
@@ -329,6 +335,41 @@ def _lower(ctx, *args, spec: Collective, **params):
         if token is not None:
             jc.set_chain_token(ctx, ORDERED, token)
         return list(args)
+    token = _chain_start(ctx, spec)
+    aliases = {}
+    if spec.alias is not None:
+        i, j = spec.alias
+        a, b = ctx.avals_in[i], ctx.avals_out[j]
+        if a.shape == b.shape and a.dtype == b.dtype:
+            aliases = {i: j}
+    rule = jax.ffi.ffi_lowering(
+        f"vjpmpi_{spec.ffi_target()}", has_side_effect=True, operand_output_aliases=aliases
+    )
+    sub = ctx.replace(
+        avals_in=[*ctx.avals_in, jc.abstract_token],
+        avals_out=[*ctx.avals_out, jc.abstract_token],
+    )
+    outs = rule(sub, *args, token, **ffi_attrs(ctx, spec, params))
+    jc.set_chain_token(ctx, ORDERED, outs[-1])
+    return outs[:-1]
+
+
+def ffi_attrs(ctx, spec: Collective, params) -> dict:
+    """The FFI attributes of one call of `spec` with `params` (every handler's set)."""
+    attrs = dict.fromkeys(FFI_ATTRS, np.int64(0))
+    attrs.update({attr: _int64(params[k]) for k, attr in spec.params.items()})
+    attrs.update({attr: np.int64(v) for attr, v in spec.fixed.items()})
+    attrs["comm"] = np.int64(params["comm"].id)
+    site = _site(ctx, spec, params) if _kernels.CHECK or _kernels.TIMEOUT else 0
+    attrs["site"] = np.int64(params.get("note", 0) or site)  # (a note describes the call)
+    attrs["sig"] = np.int64(params.get("sig", 0))
+    attrs["invalid"] = np.int64(params.get("invalid", 0))
+    return attrs
+
+
+def _chain_start(ctx, spec: Collective):
+    """The chain's token for a call of `spec` being lowered, after the checks that the
+    program can run it (platform, backend built, one device per process)."""
     platforms = set(ctx.module_context.platforms)
     for other in sorted(platforms - {"cpu", "cuda"}):
         raise NotImplementedError(
@@ -351,30 +392,7 @@ def _lower(ctx, *args, spec: Collective, **params):
     token = jc.chain_token(ctx, ORDERED)
     if token is None:
         raise _unchained(spec.name, ctx.name_stack)
-    aliases = {}
-    if spec.alias is not None:
-        i, j = spec.alias
-        a, b = ctx.avals_in[i], ctx.avals_out[j]
-        if a.shape == b.shape and a.dtype == b.dtype:
-            aliases = {i: j}
-    rule = jax.ffi.ffi_lowering(
-        f"vjpmpi_{spec.ffi_target()}", has_side_effect=True, operand_output_aliases=aliases
-    )
-    sub = ctx.replace(
-        avals_in=[*ctx.avals_in, jc.abstract_token],
-        avals_out=[*ctx.avals_out, jc.abstract_token],
-    )
-    attrs = dict.fromkeys(FFI_ATTRS, np.int64(0))
-    attrs.update({attr: _int64(params[k]) for k, attr in spec.params.items()})
-    attrs.update({attr: np.int64(v) for attr, v in spec.fixed.items()})
-    attrs["comm"] = np.int64(params["comm"].id)
-    site = _site(ctx, spec, params) if _kernels.CHECK or _kernels.TIMEOUT else 0
-    attrs["site"] = np.int64(params.get("note", 0) or site)  # (a note describes the call)
-    attrs["sig"] = np.int64(params.get("sig", 0))
-    attrs["invalid"] = np.int64(params.get("invalid", 0))
-    outs = rule(sub, *args, token, **attrs)
-    jc.set_chain_token(ctx, ORDERED, outs[-1])
-    return outs[:-1]
+    return token
 
 
 _BACKEND_NAMES = {"rocm": "ROCm", "tpu": "TPU", "METAL": "Metal"}
@@ -408,9 +426,16 @@ def _is_float(aval) -> bool:
 def _jvp(prim, lin, spec: Collective, primals, tangents, **params):
     outs = prim.bind(*primals, **params)
     avals = [jax.typeof(o) for o in outs]
-    if not any(_is_float(jax.typeof(a)) for a in [*primals, *outs]):
+    return outs, tangents_out(lin, spec, primals, tangents, avals, params, outs)
+
+
+def tangents_out(lin, spec: Collective, primals, tangents, avals, params, outs=None) -> list:
+    """The tangents of a call of `spec` (results of `avals`; `outs`, the results, for a
+    nonlinear op): for a linear op, its linearized twin `lin` on the tangents, run on
+    every rank."""
+    if not any(_is_float(a) for a in [*map(jax.typeof, primals), *avals]):
         # integer / bool data: float0 tangents, nothing to communicate
-        return outs, [jc.Zero(a.to_tangent_aval()) for a in avals]
+        return [jc.Zero(a.to_tangent_aval()) for a in avals]
     if spec.linear(params):
         # Zero tangents become real zeros: the tangent collective must run on every
         # rank, whether or not this rank's input depends on what is differentiated.
@@ -418,13 +443,11 @@ def _jvp(prim, lin, spec: Collective, primals, tangents, **params):
         why = spec.refuse_derivative(params)
         if why is not None:
             params = {**params, "invalid": refusal(spec.name, why)}
-        t_outs = lin.bind(*ts, **params)
-    else:
-        t_outs = spec.nonlinear_jvp(primals, tangents, outs, params)
-    return outs, t_outs
+        return lin.bind(*ts, **params)
+    return spec.nonlinear_jvp(primals, tangents, outs, params)
 
 
-def _transpose(spec: Collective, cts, *args, **params):
+def transpose(spec: Collective, cts, *args, **params):
     # A zero cotangent still takes part: every rank runs every transposed collective.
     cts = [jc.instantiate_zeros(ct) for ct in cts]
     return spec.transpose(cts, args, params)
@@ -448,12 +471,14 @@ class Linearized(jc.Effect):
 
 LINEARIZED = Linearized()
 jc.register_effect(Linearized, ordered=False)
+LIN_OF: dict[jc.Primitive, jc.Primitive] = {}  # a collective's primitive -> its tangent twin
 
 
 def make_primitive(spec: Collective) -> tuple[jc.Primitive, jc.Primitive]:
     """Build a collective's primitive and its linearized (tangent) twin from its spec."""
     prim = jc.Primitive(f"vjpmpi_{spec.name}")
     lin = jc.Primitive(f"vjpmpi_{spec.name}_lin")
+    LIN_OF[prim] = LIN_OF[lin] = lin
 
     def abstract_eval(*avals, ordered=False, sig=0, invalid=0, note=0, **params):
         return spec.out_avals(params, *avals), {ORDERED} if ordered else jc.no_effects
@@ -475,14 +500,20 @@ def make_primitive(spec: Collective) -> tuple[jc.Primitive, jc.Primitive]:
         jc.primitive_batchers[p] = functools.partial(_batch, p, spec)
         jc.primitive_jvps[p] = functools.partial(_jvp, p, lin, spec)
         if spec.transpose is not None:
-            jc.primitive_transposes[p] = functools.partial(_transpose, spec)
-        jc.keep_alive_in_dce(p)
-        jc.keep_in_partial_eval(p)
-        _PRIMITIVES.add(p)
-        _SPEC_OF[p] = spec
+            jc.primitive_transposes[p] = functools.partial(transpose, spec)
+        register(p, spec)
+    return prim, lin
+
+
+def register(p: jc.Primitive, spec: Collective) -> None:
+    """`p` is one of vjpmpi's calls (described by `spec`): on the ordering chain, never
+    dropped by dead code elimination or partial evaluation."""
+    jc.keep_alive_in_dce(p)
+    jc.keep_in_partial_eval(p)
+    _PRIMITIVES.add(p)
+    _SPEC_OF[p] = spec
     jc.guard_dce_rules(_communicates, _PRIMITIVES.__contains__)
     jc.keep_traced_equations(_communicates)
-    return prim, lin
 
 
 # Every rank runs every tangent collective (and so its transpose), also where its
@@ -531,6 +562,26 @@ def refusal(op: str, why: str) -> int:
     return _kernels.register_site(why if why.startswith("vjpmpi.") else f"vjpmpi.{op}: {why}")
 
 
+# vjpmpi.start sets `hook` while it calls the op: the op's bind hands it the call
+# (primitive, arrays, communicator, parameters) instead of binding it (see `captured`).
+_CAPTURE = threading.local()
+
+
+class captured:
+    """`with captured(hook):` the binds of this thread go to `hook(prim, args, comm,
+    params)`, which returns what `bind` returns."""
+
+    def __init__(self, hook: Callable):
+        self.hook = hook
+
+    def __enter__(self):
+        self.before = getattr(_CAPTURE, "hook", None)
+        _CAPTURE.hook = self.hook
+
+    def __exit__(self, *exc):
+        _CAPTURE.hook = self.before
+
+
 def bind(prim: jc.Primitive, args: Sequence, comm: CommRef, *, invalid: str | None = None,
          note: str | None = None, **params) -> list:
     """Bind `prim` on `args` with its static parameters (exactly those its spec declares);
@@ -544,6 +595,9 @@ def bind(prim: jc.Primitive, args: Sequence, comm: CommRef, *, invalid: str | No
         raise RuntimeError(_IN_CALLBACK.format(op=prim.name.removeprefix("vjpmpi_")))
     if not _SPEC_OF[prim].point_to_point:
         _claim(comm, prim.name.removeprefix("vjpmpi_"))
+    capture = getattr(_CAPTURE, "hook", None)
+    if capture is not None:  # inside vjpmpi.start
+        return capture(prim, args, comm, params)
     if not jc.outside_traces():
         return prim.bind(*args, comm=comm, **params)
     return _eager(prim, {"comm": comm, **params})(*args)

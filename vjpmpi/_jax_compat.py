@@ -97,7 +97,7 @@ __all__ = [
     "guard_dce_rules", "keep_alive_in_dce", "keep_in_partial_eval", "ordered_lowering",
     "chain_token", "set_chain_token", "program_devices", "mark_jaxpr",
     "track_host_callbacks", "inside_host_callback", "exported_text", "call_exported_p",
-    "carry_while_predicate", "run_tangent_rules",
+    "carry_while_predicate", "run_tangent_rules", "trace_state",
 ]
 
 Effect = _effects.Effect
@@ -105,6 +105,10 @@ abstract_token = _core.abstract_token  # the aval of an XLA token
 no_effects: frozenset = frozenset()  # (JAX's `core.no_effects` is this)
 jaxprs_in_params = _core.jaxprs_in_params  # every Jaxpr in an equation's params
 outside_traces = _core.trace_state_clean  # () -> whether no JAX trace is active
+# () -> the active trace, compared by identity (jax.extend.core has it in JAX 0.10 and
+# 0.12, jax.core in 0.7.1)
+trace_state = (getattr(_extend_core, "get_opaque_trace_state", None)
+               or jax.core.get_opaque_trace_state)
 
 
 def user_frames() -> list:

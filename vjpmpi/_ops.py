@@ -639,6 +639,19 @@ def hold(x, comm):
     return y
 
 
+def fence(tree, *, comm=None):
+    """The arrays of `tree` as they are at this point of the program's order: XLA computes
+    them before every later vjpmpi call (a `wait`, say), and what it computes from the
+    result after every earlier one (a `start`); nothing is fused across. No message.
+
+    Shape: `tree` -> the same tree. Transpose: fence.
+    """
+    as_comm(comm, "fence")
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    leaves = [hold(_array(a, "fence", "tree"), comm) for a in leaves]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
 def agree_on(shape, dtype, comm, op: str, *, note: str, invalid: str | None = None) -> None:
     """Every rank of `comm` must pass the same global `shape` and `dtype` here (a collective
     with no data: the ranks' agreement compares them before the composite's first data

@@ -94,6 +94,7 @@ struct CommEntry {
   bool spans_nodes = false;  // its processes are on more than one node (SpansNodes)
   std::atomic<uint64_t> owner{0};  // the Python thread that owns its collectives (0: none yet)
   std::atomic<bool> busy{false};   // set through each collective on it
+  std::atomic<int> started{0};     // started calls (vjpmpi.start) not yet finished on its thread
   int64_t count = 0;               // collectives run on it by this process
   uint64_t history = 0;
   int64_t run = 0;  // the XLA run id of the last collective's execution

@@ -15,8 +15,11 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -167,13 +170,85 @@ inline std::atomic<int64_t>& AsyncBytes() {
 // earlier version used nonblocking calls on this thread only, and a 4-rank FFT hung
 // with one rank in MPI_Allreduce and another in MPI_Iallreduce); their algorithms
 // differ too (MPICH's MPI_Ireduce_scatter_block sums in another order at 4 ranks).
+//
+// While a started call (vjpmpi.start) has not finished on the communicator's thread,
+// every later call on that communicator goes there too, behind it: MPI then sees the
+// calls in the program's order.
 inline bool GoesAsync(size_t moved, const CommEntry& ce) {
+  if (ce.started.load(std::memory_order_acquire) > 0) return true;
   int64_t limit = AsyncBytes().load(std::memory_order_relaxed);
   if (limit == kAsyncAuto) limit = ce.spans_nodes ? kAutoAsyncBytes : -1;
   if (limit < 0 || moved == 0 || moved < static_cast<size_t>(limit)) return false;
   int provided = MPI_THREAD_SINGLE;
   MPI_Query_thread(&provided);
   return provided >= MPI_THREAD_SERIALIZED;
+}
+
+// ------------------------------------------------------------ started calls --
+// vjpmpi.start / vjpmpi.wait: a point-to-point call split in two custom calls. The
+// start copies the array it sends into a buffer of its own and posts the call to the
+// communicator's thread, which receives into another; the wait copies the array
+// received into XLA's result. XLA's buffers are never touched after the start has
+// returned, so a program that stops between the two (an error) leaves nothing
+// reading or writing them. A call is named by (communicator, slot, run): the slot is
+// the start's, fixed when the program was traced, and its wait carries the same one;
+// the run is XLA's id of the program's execution, so that two runs of one program (two
+// threads) never take each other's calls.
+struct Started {
+  std::vector<unsigned char> send, recv;
+  std::mutex mutex;
+  bool done = false;
+  std::string error;
+  std::function<void()> then;  // the wait's completion, where the wait came first
+
+  // (on the communicator's thread, or in the start where MPI cannot take the call there)
+  void Finish(std::string e) {
+    std::function<void()> next;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      done = true;
+      error = std::move(e);
+      next = std::move(then);
+    }
+    if (next) Complete(std::move(next));
+  }
+};
+
+struct StartedCalls {
+  std::mutex mutex;
+  std::map<std::tuple<int64_t, int64_t, int64_t>, std::shared_ptr<Started>> calls;
+};
+inline StartedCalls& TheStartedCalls() {
+  static StartedCalls* s = new StartedCalls();
+  return *s;
+}
+
+// A new started call on (comm, slot, run); one left by a run that stopped before its
+// wait is dropped (its job, if still running, holds its own reference).
+inline std::shared_ptr<Started> NewStarted(int64_t comm, int64_t slot, int64_t run) {
+  auto s = std::make_shared<Started>();
+  StartedCalls& t = TheStartedCalls();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  t.calls[{comm, slot, run}] = s;
+  return s;
+}
+
+inline std::shared_ptr<Started> TakeStarted(int64_t comm, int64_t slot, int64_t run) {
+  StartedCalls& t = TheStartedCalls();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  auto it = t.calls.find({comm, slot, run});
+  if (it == t.calls.end()) return nullptr;
+  auto s = std::move(it->second);
+  t.calls.erase(it);
+  return s;
+}
+
+// Whether a started call can run on the communicator's thread while XLA's thread makes
+// other MPI calls (MPI_THREAD_MULTIPLE); where not, the start makes the whole call.
+inline bool ThreadMultiple() {
+  int provided = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&provided);
+  return provided >= MPI_THREAD_MULTIPLE;
 }
 
 }  // namespace vjpmpi

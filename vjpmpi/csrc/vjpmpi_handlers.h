@@ -96,6 +96,22 @@ void FillStatus(Runtime& rt, int64_t slot, const MPI_Status& st) {
 template <bool Async>
 using Result = std::conditional_t<Async, ffi::Future, ffi::Error>;
 
+// A started call's copy of the array it sends (taken in the start: XLA may reuse x's
+// buffer once the start has returned).
+inline const void* Keep(std::vector<unsigned char>& own, ffi::AnyBuffer x) {
+  own.resize(x.size_bytes());
+  if (!own.empty()) HostCopy(own.data(), x.untyped_data(), own.size());
+  return own.data();
+}
+
+// A started call's buffer for the array it receives; holding the template where nothing
+// will arrive (from MPI_PROC_NULL, which keeps it).
+inline void* Receive(std::vector<unsigned char>& own, ffi::AnyBuffer tmpl, bool keep) {
+  own.resize(tmpl.size_bytes());
+  if (keep && !own.empty()) HostCopy(own.data(), tmpl.untyped_data(), own.size());
+  return own.data();
+}
+
 template <bool Async>
 Result<Async> Finish(const std::string& e) {
   ffi::Error error = e.empty() ? ffi::Error::Success() : ffi::Error::Internal(e);
@@ -177,9 +193,13 @@ std::string Tail(Runtime& rt, Mem& mem, Call& c, const Attrs& a, CommEntry* ce, 
 // moves at least the threshold (its larger side, in or out: `moved`; GoesAsync) returns
 // at once and Tail runs on the communicator's thread (vjpmpi_async.h), which completes
 // the future.
+//
+// `started` (a point-to-point call that vjpmpi.start began, between buffers of its own):
+// Tail runs on the communicator's thread whatever the threshold, the handler returns at
+// once, and the call's end goes to `started` (for its wait) instead of a future.
 template <bool Async, typename Mem, typename Prepare, typename Body>
 Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t moved,
-                  Prepare prepare, Body body) {
+                  Prepare prepare, Body body, std::shared_ptr<Started> started = nullptr) {
   Runtime* rt = CurrentRuntime();
   if (rt == nullptr) {  // only a module imported around vjpmpi/_kernels.py
     return Finish<Async>(std::string("vjpmpi.") + c.op +
@@ -198,6 +218,26 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
     }
   }
   if (e.empty()) e = prepare();
+  if constexpr (Async) {  // (started calls exist where calls may run asynchronously)
+  if (e.empty() && started) {
+    if (ThreadMultiple()) {
+      ce->started.fetch_add(1, std::memory_order_acq_rel);
+      rt->async_calls.fetch_add(1, std::memory_order_relaxed);
+      std::vector<int64_t> dims(c.dims, c.dims + c.ndim), dims2(c.dims2, c.dims2 + c.ndim2);
+      PostOn(ce->id, [rt, mem, c, a, ce, collective, body, started, dims = std::move(dims),
+                      dims2 = std::move(dims2)]() mutable {
+        c.dims = dims.data();
+        c.dims2 = dims2.data();
+        std::string e = Tail(*rt, mem, c, a, ce, collective, body);
+        ce->started.fetch_sub(1, std::memory_order_acq_rel);
+        started->Finish(std::move(e));
+      });
+    } else {
+      started->Finish(Tail(*rt, mem, c, a, ce, collective, body));
+    }
+    return Finish<Async>(std::string());
+  }
+  }
   if (e.empty()) {
     if constexpr (Async) {
       const bool go = GoesAsync(moved, *ce);
@@ -256,7 +296,7 @@ Result<Async> Unary(Mem mem, const char* name, ffi::AnyBuffer x, ffi::Result<ffi
   const void* xp = x.untyped_data();
   void* yp = y->untyped_data();
   size_t xb = x.size_bytes(), yb = y->size_bytes();
-  return Run<Async>(mem, c, a, F != Recv, std::max(xb, yb), [&] {
+  return Run<Async>(mem, c, a, true, std::max(xb, yb), [&] {
     if (N == Count::kIn) {
       c.count = x.element_count();
     } else if (N == Count::kOut) {
@@ -277,46 +317,69 @@ Result<Async> Unary(Mem mem, const char* name, ffi::AnyBuffer x, ffi::Result<ffi
 }
 
 // (x, token) -> token
+// (`started`: the array sent is copied into its buffer, and the call goes there)
 template <bool Async, typename Mem>
-Result<Async> SendH(Mem mem, ffi::AnyBuffer x, const Attrs& a) {
+Result<Async> SendH(Mem mem, ffi::AnyBuffer x, const Attrs& a,
+                    std::shared_ptr<Started> started = nullptr) {
   Call c = MakeCall("send", a, 0);
   c.kind = KindOf(x.element_type());
   if (c.kind == Kind::kUnsupported) return Finish<Async>(Unsupported("send"));
   c.count = c.count2 = x.element_count();
   SetDims(x.dimensions(), 0, &c.dims, &c.ndim);
-  const void* xp = x.untyped_data();
+  const void* xp = started ? Keep(started->send, x) : x.untyped_data();
   size_t xb = x.size_bytes();
   return Run<Async>(mem, c, a, false, xb, Ok, [=](Mem& mem, const Call& c) {
     const void* in = mem.In(xp, xb);
     std::string e = mem.Begin();
     return e.empty() ? Send(c, in, nullptr) : e;
-  });
+  }, started);
+}
+
+// (x, template, token) -> (y, token), a receive into y; `started`: into its buffer (which
+// holds the template where nothing arrives, from MPI_PROC_NULL).
+template <bool Async, typename Mem>
+Result<Async> RecvH(Mem mem, ffi::AnyBuffer tmpl, void* yp, const Attrs& a,
+                    std::shared_ptr<Started> started = nullptr) {
+  Call c = MakeCall("recv", a, 0);
+  c.kind = KindOf(tmpl.element_type());
+  if (c.kind == Kind::kUnsupported) return Finish<Async>(Unsupported("recv"));
+  c.count = c.count2 = tmpl.element_count();
+  SetDims(tmpl.dimensions(), 0, &c.dims, &c.ndim);
+  SetDims(tmpl.dimensions(), 0, &c.dims2, &c.ndim2);
+  size_t yb = tmpl.size_bytes();
+  if (started) yp = Receive(started->recv, tmpl, c.peer2 == MPI_PROC_NULL);
+  return Run<Async>(mem, c, a, false, yb, Ok, [=](Mem& mem, const Call& c) {
+    void* out = mem.Out(yp, yb);
+    std::string e = mem.Begin();
+    return e.empty() ? Recv(c, nullptr, out) : e;
+  }, started);
 }
 
 // (x, recv template, token) -> (y, token); y aliases the template.
+// (y has the template's shape and dtype; `started`: both arrays in its buffers)
 template <bool Async, typename Mem>
-Result<Async> SendrecvH(Mem mem, ffi::AnyBuffer x, ffi::AnyBuffer tmpl,
-                        ffi::Result<ffi::AnyBuffer> y, const Attrs& a) {
+Result<Async> SendrecvH(Mem mem, ffi::AnyBuffer x, ffi::AnyBuffer tmpl, void* yp,
+                        const Attrs& a, std::shared_ptr<Started> started = nullptr) {
   Call c = MakeCall("sendrecv", a, 0);
   c.kind = KindOf(x.element_type());
-  if (c.kind == Kind::kUnsupported || KindOf(y->element_type()) != c.kind) {
+  if (c.kind == Kind::kUnsupported || KindOf(tmpl.element_type()) != c.kind) {
     return Finish<Async>(Unsupported("sendrecv"));
   }
   c.count = x.element_count();
-  c.count2 = y->element_count();
+  c.count2 = tmpl.element_count();
   SetDims(x.dimensions(), 0, &c.dims, &c.ndim);
-  SetDims(y->dimensions(), 0, &c.dims2, &c.ndim2);
-  const void* xp = x.untyped_data();
+  SetDims(tmpl.dimensions(), 0, &c.dims2, &c.ndim2);
+  const void* xp = started ? Keep(started->send, x) : x.untyped_data();
   const void* tp = tmpl.untyped_data();
-  void* yp = y->untyped_data();
-  size_t xb = x.size_bytes(), tb = tmpl.size_bytes(), yb = y->size_bytes();
+  if (started) tp = yp = Receive(started->recv, tmpl, c.peer2 == MPI_PROC_NULL);
+  size_t xb = x.size_bytes(), tb = tmpl.size_bytes(), yb = tmpl.size_bytes();
   return Run<Async>(mem, c, a, false, std::max(xb, yb), Ok, [=](Mem& mem, const Call& c) {
     const void* in = mem.In(xp, xb);
     mem.In(tp, tb);  // unreceived elements keep it
     void* out = mem.Out(yp, yb);
     std::string e = mem.Begin();
     return e.empty() ? Sendrecv(c, in, out) : e;
-  });
+  }, started);
 }
 
 // (a, b, token) -> (e, token): the linear recurrence scan; e may alias b.
@@ -418,7 +481,6 @@ VJPMPI_UNARY(kReduceScatter, "reduce_scatter", ReduceScatter, Count::kOut, kRed 
 VJPMPI_UNARY(kScan, "scan", Scan, Count::kIn, kRed);
 VJPMPI_UNARY(kExscan, "exscan", Exscan, Count::kIn, kRed);
 VJPMPI_UNARY(kOthersProduct, "others_product", OthersProduct, Count::kIn, kAll);
-VJPMPI_UNARY(kRecv, "recv", Recv, Count::kOut, 0);
 VJPMPI_UNARY(kAgree, "agree", AgreeOnly, Count::kIn, 0);
 
 template <bool Async>
@@ -432,6 +494,27 @@ VJPMPI_DEFINE(kSend, SendImpl,
                        .Arg<ffi::Token>()      // ordering token
                        .Ret<ffi::Token>()      // ordering token
                            VJPMPI_ATTRS);
+
+// (template, token) -> (y, token); y may alias the template
+template <bool Async>
+Result<Async> RecvImpl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token,
+                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                       VJPMPI_ATTR_PARAMS) {
+  return RecvH<Async>(VJPMPI_MEM, x, y->untyped_data(), VJPMPI_ATTRS_OF);
+}
+VJPMPI_DEFINE(kRecv, RecvImpl,
+                   VJPMPI_BIND
+                       .Arg<ffi::AnyBuffer>()  // template
+                       .Arg<ffi::Token>()      // ordering token
+                       .Ret<ffi::AnyBuffer>()  // y
+                       .Ret<ffi::Token>()      // ordering token
+                           VJPMPI_ATTRS);
+
+template <bool Async, typename Mem>
+Result<Async> SendrecvIntoY(Mem mem, ffi::AnyBuffer x, ffi::AnyBuffer tmpl,
+                            ffi::Result<ffi::AnyBuffer> y, const Attrs& a) {
+  return SendrecvH<Async>(std::move(mem), x, tmpl, y->untyped_data(), a);
+}
 
 // Two arrays in, one out (which may alias the second): sendrecv, the recurrence.
 #define VJPMPI_BINARY(Symbol, Handler)                                                       \
@@ -451,7 +534,7 @@ VJPMPI_DEFINE(kSend, SendImpl,
                              VJPMPI_ATTRS)
 
 // sendrecv: a is sent to peer; y, received from peer2, aliases b (the receive template)
-VJPMPI_BINARY(kSendrecv, SendrecvH);
+VJPMPI_BINARY(kSendrecv, SendrecvIntoY);
 // recurrence: a, the coefficients, and b, the inputs; y may alias b
 VJPMPI_BINARY(kRecurrence, RecurrenceH);
 
@@ -486,6 +569,108 @@ VJPMPI_DEFINE(kHold, HoldImpl,
                        .Ret<ffi::AnyBuffer>()  // y
                        .Ret<ffi::Token>()      // ordering token
                            VJPMPI_ATTRS);
+
+#ifdef VJPMPI_HOST_ASYNC
+// vjpmpi.start of a point-to-point call: (its arrays, token) -> token. The call runs on
+// the communicator's thread between buffers of its own (Started); `slot` names it for
+// its wait. Host memory only (the CPU backend).
+#define VJPMPI_START_ATTRS VJPMPI_ATTRS.Attr<int64_t>("slot") /* the call, for its wait */
+
+template <bool Async>
+Result<Async> SendStartImpl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::Token>,
+                            VJPMPI_ATTR_PARAMS, int64_t slot) {
+  return SendH<Async>(VJPMPI_MEM, x, VJPMPI_ATTRS_OF, NewStarted(comm, slot, run.run_id));
+}
+VJPMPI_DEFINE(kSendStart, SendStartImpl,
+              VJPMPI_BIND
+                  .Arg<ffi::AnyBuffer>()  // x
+                  .Arg<ffi::Token>()      // ordering token
+                  .Ret<ffi::Token>()      // ordering token
+                      VJPMPI_START_ATTRS);
+
+template <bool Async>
+Result<Async> RecvStartImpl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::Token>,
+                            VJPMPI_ATTR_PARAMS, int64_t slot) {
+  return RecvH<Async>(VJPMPI_MEM, x, nullptr, VJPMPI_ATTRS_OF, NewStarted(comm, slot, run.run_id));
+}
+VJPMPI_DEFINE(kRecvStart, RecvStartImpl,
+              VJPMPI_BIND
+                  .Arg<ffi::AnyBuffer>()  // template
+                  .Arg<ffi::Token>()      // ordering token
+                  .Ret<ffi::Token>()      // ordering token
+                      VJPMPI_START_ATTRS);
+
+template <bool Async>
+Result<Async> SendrecvStartImpl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer x, ffi::AnyBuffer tmpl, ffi::Token,
+                                ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS, int64_t slot) {
+  return SendrecvH<Async>(VJPMPI_MEM, x, tmpl, nullptr, VJPMPI_ATTRS_OF, NewStarted(comm, slot, run.run_id));
+}
+VJPMPI_DEFINE(kSendrecvStart, SendrecvStartImpl,
+              VJPMPI_BIND
+                  .Arg<ffi::AnyBuffer>()  // x
+                  .Arg<ffi::AnyBuffer>()  // template
+                  .Arg<ffi::Token>()      // ordering token
+                  .Ret<ffi::Token>()      // ordering token
+                      VJPMPI_START_ATTRS);
+
+// vjpmpi.wait: token -> (y, token), the array the started call (comm, slot) received,
+// once it has; a send's: token -> token. The future completes when the call has ended.
+ffi::Future WaitFor(int64_t comm, int64_t slot, int64_t run, void* y, size_t yb) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  std::shared_ptr<Started> s = TakeStarted(comm, slot, run);
+  auto finish = [s, y, yb](ffi::Promise& promise) {
+    if (!s->error.empty()) {
+      promise.SetError(ffi::Error::Internal(s->error));
+    } else if (s->recv.size() != yb) {
+      promise.SetError(ffi::Error::Internal("vjpmpi.wait: the started call's result does not "
+                                            "have the size of the wait's (a vjpmpi bug)"));
+    } else {
+      if (yb) HostCopy(y, s->recv.data(), yb);
+      promise.SetAvailable();
+    }
+  };
+  if (s == nullptr) {
+    promise.SetError(ffi::Error::Internal(
+        "vjpmpi.wait: no started call to wait for (its start did not run in this program: a "
+        "vjpmpi bug)"));
+    return future;
+  }
+  std::unique_lock<std::mutex> lock(s->mutex);
+  if (s->done) {
+    lock.unlock();
+    finish(promise);
+  } else {
+    s->then = [finish, promise]() mutable { finish(promise); };
+  }
+  return future;
+}
+
+ffi::Future WaitImpl(ffi::RunId run, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
+                     ffi::Result<ffi::Token>, int64_t comm, int64_t slot) {
+  return WaitFor(comm, slot, run.run_id, y->untyped_data(), y->size_bytes());
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kWait, WaitImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::Token>()      // ordering token
+                                  .Ret<ffi::AnyBuffer>()  // y
+                                  .Ret<ffi::Token>()      // ordering token
+                                  .Attr<int64_t>("comm")  // vjpmpi's number of the communicator
+                                  .Attr<int64_t>("slot"));  // the started call
+
+ffi::Future WaitSendImpl(ffi::RunId run, ffi::Token, ffi::Result<ffi::Token>, int64_t comm,
+                         int64_t slot) {
+  return WaitFor(comm, slot, run.run_id, nullptr, 0);
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kWaitSend, WaitSendImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::Token>()      // ordering token
+                                  .Ret<ffi::Token>()      // ordering token
+                                  .Attr<int64_t>("comm")  // vjpmpi's number of the communicator
+                                  .Attr<int64_t>("slot"));  // the started call
+#endif
 
 template <typename T>
 nb::capsule Capsule(T* fn) {
@@ -545,6 +730,13 @@ void DefineCommon(nb::module_& m) {
     VJPMPI_REGISTER("recurrence", kRecurrence)
     VJPMPI_REGISTER("others_product", kOthersProduct)
     VJPMPI_REGISTER("hold", kHold)
+#ifdef VJPMPI_HOST_ASYNC
+    VJPMPI_REGISTER("send_start", kSendStart)
+    VJPMPI_REGISTER("recv_start", kRecvStart)
+    VJPMPI_REGISTER("sendrecv_start", kSendrecvStart)
+    VJPMPI_REGISTER("wait", kWait)
+    VJPMPI_REGISTER("wait_send", kWaitSend)
+#endif
 #undef VJPMPI_REGISTER
     return d;
   });

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._mpi import as_comm
-from .._ops import agree_on, bcast, hold, recv, send, sendrecv
+from .._ops import agree_on, bcast, fence, recv, send, sendrecv
 
 _OP = "nn.pipeline_value_and_grad"
 # The tags of the pipeline's messages on its communicator (activations, cotangents).
@@ -216,11 +216,10 @@ def _take(tree: PyTree, i) -> PyTree:
 
 
 def _hold(tree: PyTree, ref) -> PyTree:
-    """`tree` as it is at this point of the program: each array passes through vjpmpi's
-    private identity on the pipeline's communicator (no message; ordered with the
-    pipeline's messages, opaque to XLA's fusion, and in place: the result aliases the
-    array)."""
-    return jax.tree_util.tree_map(lambda a: hold(a, ref.comm), tree)
+    """`tree` as it is at this point of the program (`vjpmpi.fence` on the pipeline's
+    communicator: ordered with the pipeline's messages, opaque to XLA's fusion, and in
+    place: the result aliases the array)."""
+    return fence(tree, comm=ref.comm)
 
 
 def _add(a: PyTree, b: PyTree, ref) -> PyTree:

@@ -1,0 +1,301 @@
+"""`vjpmpi.start` / `vjpmpi.wait`: a point-to-point call split in two, so that what the
+program computes between them runs while the message travels.
+
+The start is one custom call on the ordering chain that hands the call to the
+communicator's thread (csrc/vjpmpi_async.h, `Started`) and returns at once; the wait is
+another, later on the chain, that completes when the call has. In a jaxpr the pair is two
+primitives around a *state*, the call's operands passed through:
+
+- `start_p(*operands) -> state`, `wait_p(*state) -> results` (the op's results);
+- as a linear map, the state is the operands with the op's result in the slot of the
+  operand its result aliases (the receive template), so the tangent or cotangent
+  collective runs at the start, in the program's order of calls (the backward pass
+  reverses it on every rank, whatever the order of the waits).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Callable
+
+import jax
+import numpy as np
+
+from . import _jax_compat as jc
+from . import _collective as cv
+from ._collective import ORDERED, Collective
+
+_SLOTS = itertools.count(1)  # (the start's number in this process: its wait names it)
+_LOCK = threading.Lock()
+
+
+class Pending:
+    """A point-to-point call that `vjpmpi.start` began; `vjpmpi.wait` ends it (once)."""
+
+    def __init__(self, name, state, params=None, result=None, trace=None):
+        self._name, self._state, self._params = name, state, params
+        self._result, self._trace, self._waited = result, trace, False
+
+    def __repr__(self):
+        done = "waited" if self._waited else "pending"
+        return f"vjpmpi.Pending({self._name}, {done})"
+
+
+def start(op: Callable, *args, **kwargs) -> Pending:
+    """Begin the point-to-point call `op(*args, **kwargs)` (`vjpmpi.send`, `recv` or
+    `sendrecv`); `vjpmpi.wait` gives its result. What the program computes between
+    the two may run while the message travels (in a compiled program on CPU).
+
+    Shape: `op`'s, at the wait. Transpose: `op`'s transpose, at the start.
+    """
+    calls = []
+
+    def hook(prim, arrays, comm, params):
+        spec = cv._SPEC_OF[prim]
+        if calls:
+            raise ValueError(f"vjpmpi.start: {_name(op)} made more than one vjpmpi call; "
+                             "start one send, recv or sendrecv at a time")
+        if not spec.point_to_point or spec.name not in _TARGETS:
+            raise NotImplementedError(
+                f"vjpmpi.start: vjpmpi.{spec.name} cannot be split; only send, recv and "
+                "sendrecv can. Collectives overlap computation without a split: see "
+                "vjpmpi.async_threshold.")
+        if params.get("status", 0):
+            raise NotImplementedError(
+                f"vjpmpi.start: argument 'status' of vjpmpi.{spec.name} is not supported "
+                "in a started call")
+        calls.append((prim, list(arrays), comm, params))
+        if jc.outside_traces():  # eager: the whole call, now
+            return cv._eager(prim, {"comm": comm, **params})(*arrays)
+        return [None] * len(spec.out_avals(params, *[jax.typeof(a) for a in arrays]))
+
+    with cv.captured(hook):
+        result = op(*args, **kwargs)
+    if not calls:
+        raise TypeError(f"vjpmpi.start: {_name(op)} made no vjpmpi call; pass vjpmpi.send, "
+                        "vjpmpi.recv or vjpmpi.sendrecv and their arguments")
+    prim, arrays, comm, params = calls[0]
+    name = cv._SPEC_OF[prim].name
+    if jc.outside_traces():
+        return Pending(name, None, result=result)
+    with _LOCK:
+        slot = next(_SLOTS)
+    params = {"inner": prim, "slot": slot, "comm": comm, **params}
+    state = start_p.bind(*arrays, **params)
+    return Pending(name, state, params, trace=jc.trace_state())
+
+
+def wait(pending: Pending):
+    """End the call that `pending` began: the array received (`recv`, `sendrecv`) or None
+    (`send`). Call it once, in the function that called `vjpmpi.start`.
+
+    Shape: the op's result. Transpose: none (the op's transpose runs at the start).
+    """
+    if not isinstance(pending, Pending):
+        raise TypeError(f"vjpmpi.wait: argument 'pending' must be what vjpmpi.start "
+                        f"returned, not {type(pending).__name__}")
+    if pending._waited:
+        raise ValueError(f"vjpmpi.wait: {pending._name} was already waited for; wait once "
+                         "for each vjpmpi.start")
+    if pending._state is None:  # (began eagerly: done)
+        pending._waited = True
+        return pending._result
+    if jc.outside_traces() or jc.trace_state() != pending._trace:
+        raise ValueError(
+            f"vjpmpi.wait: the {pending._name} was started in another function or trace "
+            "(jit, a loop or branch body, a transformation); call vjpmpi.wait in the one "
+            "that called vjpmpi.start")
+    pending._waited = True
+    outs = wait_p.bind(*pending._state, **pending._params)
+    return outs[0] if outs else None
+
+
+def _name(op) -> str:
+    return getattr(op, "__qualname__", None) or repr(op)
+
+
+# the started form of each op: (FFI target of its start, whether its wait returns an array)
+_TARGETS = {"send": "vjpmpi_send_start", "recv": "vjpmpi_recv_start",
+            "sendrecv": "vjpmpi_sendrecv_start"}
+
+
+# ----------------------------------------------------------------- primitives --
+start_p = jc.Primitive("vjpmpi_start")
+wait_p = jc.Primitive("vjpmpi_wait")
+start_p.multiple_results = wait_p.multiple_results = True
+
+
+def _effects(ordered):
+    return {ORDERED} if ordered else jc.no_effects
+
+
+def _start_abstract(*avals, ordered=False, **params):
+    return list(avals), _effects(ordered)
+
+
+def _wait_abstract(*avals, inner, ordered=False, sig=0, invalid=0, note=0, slot=0, comm=None,
+                   **params):
+    return cv._SPEC_OF[inner].out_avals(params, *avals), _effects(ordered)
+
+
+start_p.def_effectful_abstract_eval(_start_abstract)
+wait_p.def_effectful_abstract_eval(_wait_abstract)
+
+
+# Outside a compiled program (an eager backward pass, `jax.disable_jit`) the start makes
+# the whole call and its wait hands on the result.
+_EAGER_RESULTS: dict[int, list] = {}
+
+
+def _start_impl(*args, **params):
+    spec, inner = _inner(params)
+    _EAGER_RESULTS[params["slot"]] = cv._apply(params["inner"], *args, **inner)
+    return list(args)
+
+
+def _wait_impl(*state, **params):
+    return _EAGER_RESULTS.pop(params["slot"])
+
+
+start_p.def_impl(_start_impl)
+wait_p.def_impl(_wait_impl)
+
+
+def _inner(params):
+    """(the op's spec, its own parameters) from a start_p/wait_p equation's."""
+    p = dict(params)
+    spec = cv._SPEC_OF[p.pop("inner")]
+    p.pop("slot")
+    return spec, p
+
+
+def _lower_start(ctx, *args, **params):
+    spec, inner = _inner(params)
+    _cpu_only(ctx, spec)
+    token = cv._chain_start(ctx, spec)
+    rule = jax.ffi.ffi_lowering(_TARGETS[spec.name], has_side_effect=True)
+    sub = ctx.replace(avals_in=[*ctx.avals_in, jc.abstract_token],
+                      avals_out=[jc.abstract_token])
+    (token,) = rule(sub, *args, token, **cv.ffi_attrs(ctx, spec, inner),
+                    slot=np.int64(params["slot"]))
+    jc.set_chain_token(ctx, ORDERED, token)
+    return list(args)
+
+
+def _lower_wait(ctx, *state, **params):
+    spec, inner = _inner(params)
+    _cpu_only(ctx, spec)
+    token = cv._chain_start(ctx, spec)
+    target = "vjpmpi_wait" if ctx.avals_out else "vjpmpi_wait_send"
+    rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
+    sub = ctx.replace(avals_in=[jc.abstract_token],
+                      avals_out=[*ctx.avals_out, jc.abstract_token])
+    outs = rule(sub, token, comm=np.int64(inner["comm"].id), slot=np.int64(params["slot"]))
+    jc.set_chain_token(ctx, ORDERED, outs[-1])
+    return outs[:-1]
+
+
+def _cpu_only(ctx, spec: Collective):
+    if "cuda" in ctx.module_context.platforms:
+        raise NotImplementedError(
+            f"vjpmpi.start: a started {spec.name} runs on CPU only; on GPU call "
+            f"vjpmpi.{spec.name} (large calls overlap by vjpmpi.async_threshold)")
+
+
+jc.register_lowering(start_p, _lower_start, cacheable=False)
+jc.register_lowering(wait_p, _lower_wait, cacheable=False)
+
+
+def _slot_of_result(spec: Collective) -> int | None:
+    """The state's slot that holds the op's result in the linear map (None: a send)."""
+    return None if spec.alias is None else spec.alias[0]
+
+
+def _start_jvp(primals, tangents, **params):
+    spec, inner = _inner(params)
+    state = start_p.bind(*primals, **params)
+    avals = spec.out_avals(inner, *[jax.typeof(p) for p in primals])
+    t_outs = cv.tangents_out(cv.LIN_OF[params["inner"]], spec, primals, tangents, avals,
+                             inner)
+    t_state = list(tangents)
+    k = _slot_of_result(spec)
+    if k is not None:
+        t_state[k] = t_outs[0]
+    return state, t_state
+
+
+def _wait_jvp(primals, tangents, **params):
+    spec, _ = _inner(params)
+    outs = wait_p.bind(*primals, **params)
+    k = _slot_of_result(spec)
+    return outs, ([] if k is None else [tangents[k]])
+
+
+def _start_transpose(cts, *args, **params):
+    spec, inner = _inner(params)
+    k = _slot_of_result(spec)
+    back = cv.transpose(spec, [] if k is None else [cts[k]], *args, **inner)
+    out = []
+    for i, (a, b) in enumerate(zip(args, back, strict=True)):  # (+ what passed through)
+        passed = cts[i] if i != k and jc.is_undefined_primal(a) else None
+        if passed is None or type(passed) is jc.Zero:
+            out.append(b)
+        else:
+            out.append(passed if b is None or type(b) is jc.Zero else b + passed)
+    return out
+
+
+def _wait_transpose(cts, *state, **params):
+    spec, _ = _inner(params)
+    k = _slot_of_result(spec)
+    out = []
+    for i, s in enumerate(state):
+        if not jc.is_undefined_primal(s):
+            out.append(None)
+        elif i == k:
+            out.append(jc.instantiate_zeros(cts[0]))
+        else:
+            out.append(jc.Zero(s.aval))
+    return out
+
+
+def _batch(prim, args, dims, **params):
+    spec, _ = _inner(params)
+    return cv._batch(prim, spec, args, dims, **params)
+
+
+for _p, _jvp, _t in [(start_p, _start_jvp, _start_transpose),
+                     (wait_p, _wait_jvp, _wait_transpose)]:
+    jc.primitive_jvps[_p] = _jvp
+    jc.primitive_transposes[_p] = _t
+    jc.primitive_batchers[_p] = lambda args, dims, _p=_p, **params: _batch(_p, args, dims,
+                                                                         **params)
+    cv.register(_p, Collective(_p.name.removeprefix("vjpmpi_"), lambda p, *a: [],
+                               point_to_point=True))
+
+
+# ------------------------------------------------------------- pairing check --
+def _check_pairs(jaxpr: jc.Jaxpr) -> None:
+    """Every start in a program has its wait in the same jaxpr (body), once."""
+    starts, waits = {}, {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is start_p:
+            starts[eqn.params["slot"]] = eqn
+        elif eqn.primitive is wait_p:
+            waits[eqn.params["slot"]] = eqn
+        for j in jc.jaxprs_in_params(eqn.params):
+            if cv.contains_collective(j):
+                _check_pairs(j)
+    for slot in starts.keys() - waits.keys():
+        name = cv._SPEC_OF[starts[slot].params["inner"]].name
+        raise ValueError(
+            f"vjpmpi.start: a started {name} has no vjpmpi.wait in the same function (or "
+            "loop or branch body); every started call must be waited for there, on every "
+            "rank")
+    for slot in waits.keys() - starts.keys():
+        raise ValueError("vjpmpi.wait: its vjpmpi.start is in another function (or loop or "
+                         "branch body); call both in the same one")
+
+
+cv.LOWERING_CHECKS.append(_check_pairs)
