@@ -767,8 +767,7 @@ def _halo(quick, rows):
     `after` and `overlapped` (the same program under the synchronous and the default
     threshold), and `split`: the exchanges begun with `vjpmpi.start`, the interior
     rows (which need no halo) updated between `vjpmpi.fence`s, then the `vjpmpi.wait`s
-    and the edge rows; `split_comms`: the same with a communicator per direction (the
-    started calls of one communicator run one after the other)."""
+    and the edge rows."""
     import jax
     import jax.numpy as jnp
     import vjpmpi
@@ -806,19 +805,17 @@ def _halo(quick, rows):
             return u
         return jax.jit(run)
 
-    def split(comms):
-        def run(u):
-            for _ in range(steps):
-                first, last = u[:1], u[-1:]
-                top = vjpmpi.start(vjpmpi.sendrecv, last, first, source=up, dest=down,
-                                   sendtag=1, recvtag=1, comm=comms[0])
-                bottom = vjpmpi.start(vjpmpi.sendrecv, first, last, source=down, dest=up,
-                                      sendtag=2, recvtag=2, comm=comms[1])
-                u = vjpmpi.fence(u)  # (the interior after the starts, and before the waits)
-                interior = vjpmpi.fence(rows_update(u[:-2], u[1:-1], u[2:]))
-                u = step(u, vjpmpi.wait(top), vjpmpi.wait(bottom), interior)
-            return u
-        return jax.jit(run)
+    def split(u):
+        for _ in range(steps):
+            first, last = u[:1], u[-1:]
+            top = vjpmpi.start(vjpmpi.sendrecv, last, first, source=up, dest=down,
+                               sendtag=1, recvtag=1)
+            bottom = vjpmpi.start(vjpmpi.sendrecv, first, last, source=down, dest=up,
+                                  sendtag=2, recvtag=2)
+            u = vjpmpi.fence(u)  # (the interior after the starts, and before the waits)
+            interior = vjpmpi.fence(rows_update(u[:-2], u[1:-1], u[2:]))
+            u = step(u, vjpmpi.wait(top), vjpmpi.wait(bottom), interior)
+        return u
 
     def exchanges(u):
         for _ in range(steps):
@@ -827,21 +824,14 @@ def _halo(quick, rows):
         return u
 
     u = jnp.asarray(np.random.default_rng(RANK).random((rows, cols)).astype(np.float32))
-    comms = [COMM.Dup(), COMM.Dup()]
-    exchanged, one, two = loop(exchange), split([None, None]), split(comms)
-    for f in (one, two):
-        if not np.array_equal(exchanged(u), f(u)):
-            raise AssertionError("halo benchmark: the split step's result differs")
+    exchanged, split = loop(exchange), jax.jit(split)
+    if not np.array_equal(exchanged(u), split(u)):
+        raise AssertionError("halo benchmark: the split step's result differs")
     t = _steps({"compute": (loop(local), (u,), None), "exchange": (jax.jit(exchanges), (u,), None),
                 "after": (exchanged, (u,), None), "overlapped": (exchanged, (u,), ASYNC),
-                "split": (one, (u,), None), "split_comms": (two, (u,), None)}, reps)
-    for c in comms:
-        c.Free()
-    out = {"rows": rows, "cols": cols, "steps": steps, "halo_bytes": cols * 4,
-           **{k: v if k.endswith("_ratio") else v / steps for k, v in t.items()}}
-    # (no step ends before its exchanges: on one communicator, one after the other)
-    out["bound_ratio"] = max(1.0, out["exchange_ratio"])
-    return out
+                "split": (split, (u,), None)}, reps)
+    return {"rows": rows, "cols": cols, "steps": steps, "halo_bytes": cols * 4,
+            **{k: v if k.endswith("_ratio") else v / steps for k, v in t.items()}}
 
 
 ASYNC = "auto"  # the overlapped cases' threshold: the default (64 KiB across nodes)

@@ -2,8 +2,9 @@
 program computes between them runs while the message travels.
 
 The start is one custom call on the ordering chain that hands the call to the
-communicator's thread (csrc/vjpmpi_async.h, `Started`) and returns at once; the wait is
-another, later on the chain, that completes when the call has. In a jaxpr the pair is two
+communicator's thread (csrc/vjpmpi_async.h, `Started`), which posts its messages
+(nonblocking) and polls them, and returns at once; the wait is another, later on the
+chain, that completes when they are done. In a jaxpr the pair is two
 primitives around a *state*, the call's operands passed through:
 
 - `start_p(*operands) -> state`, `wait_p(*state) -> results` (the op's results);
@@ -44,23 +45,25 @@ class Pending:
 
 def start(op: Callable, *args, **kwargs) -> Pending:
     """Begin the point-to-point call `op(*args, **kwargs)` (`vjpmpi.send`, `recv` or
-    `sendrecv`); `vjpmpi.wait` gives its result. What the program computes between
-    the two may run while the message travels (in a compiled program on CPU).
+    `sendrecv`); `vjpmpi.wait` gives its result. As MPI's Isend / Irecv: the messages
+    are posted and the program goes on (the next call, the matching receive say, does
+    not wait for them), and what it computes before the wait may run while they travel
+    (in a compiled program on CPU; eagerly the start makes the whole call).
 
     Shape: `op`'s, at the wait. Transpose: `op`'s transpose, at the start.
     """
+    if not any(op is f for f in _ops()):
+        if _name(op).startswith("vjpmpi."):
+            raise NotImplementedError(
+                f"vjpmpi.start: {_name(op)} cannot be split; only vjpmpi.send, recv and "
+                "sendrecv can. Large collectives overlap computation without a split: see "
+                "vjpmpi.async_threshold.")
+        raise TypeError(f"vjpmpi.start: argument 'op' must be vjpmpi.send, vjpmpi.recv or "
+                        f"vjpmpi.sendrecv itself (its result is the call's), not {_name(op)}")
     calls = []
 
     def hook(prim, arrays, comm, params):
         spec = cv._SPEC_OF[prim]
-        if calls:
-            raise ValueError(f"vjpmpi.start: {_name(op)} made more than one vjpmpi call; "
-                             "start one send, recv or sendrecv at a time")
-        if not spec.point_to_point or spec.name not in _TARGETS:
-            raise NotImplementedError(
-                f"vjpmpi.start: vjpmpi.{spec.name} cannot be split; only send, recv and "
-                "sendrecv can. Collectives overlap computation without a split: see "
-                "vjpmpi.async_threshold.")
         if params.get("status", 0):
             raise NotImplementedError(
                 f"vjpmpi.start: argument 'status' of vjpmpi.{spec.name} is not supported "
@@ -72,9 +75,6 @@ def start(op: Callable, *args, **kwargs) -> Pending:
 
     with cv.captured(hook):
         result = op(*args, **kwargs)
-    if not calls:
-        raise TypeError(f"vjpmpi.start: {_name(op)} made no vjpmpi call; pass vjpmpi.send, "
-                        "vjpmpi.recv or vjpmpi.sendrecv and their arguments")
     prim, arrays, comm, params = calls[0]
     name = cv._SPEC_OF[prim].name
     if jc.outside_traces():
@@ -106,13 +106,20 @@ def wait(pending: Pending):
             f"vjpmpi.wait: the {pending._name} was started in another function or trace "
             "(jit, a loop or branch body, a transformation); call vjpmpi.wait in the one "
             "that called vjpmpi.start")
-    pending._waited = True
     outs = wait_p.bind(*pending._state, **pending._params)
+    pending._waited = True
     return outs[0] if outs else None
 
 
 def _name(op) -> str:
-    return getattr(op, "__qualname__", None) or repr(op)
+    name = getattr(op, "__qualname__", None) or repr(op)
+    return f"vjpmpi.{name}" if getattr(op, "__module__", "").startswith("vjpmpi") else name
+
+
+def _ops():
+    from . import _ops as ops
+
+    return (ops.send, ops.recv, ops.sendrecv)
 
 
 # the started form of each op: (FFI target of its start, whether its wait returns an array)
@@ -256,7 +263,7 @@ def _wait_transpose(cts, *state, **params):
         elif i == k:
             out.append(jc.instantiate_zeros(cts[0]))
         else:
-            out.append(jc.Zero(s.aval))
+            out.append(jc.Zero(s.aval.to_tangent_aval()))
     return out
 
 
@@ -294,8 +301,9 @@ def _check_pairs(jaxpr: jc.Jaxpr) -> None:
             "loop or branch body); every started call must be waited for there, on every "
             "rank")
     for slot in waits.keys() - starts.keys():
-        raise ValueError("vjpmpi.wait: its vjpmpi.start is in another function (or loop or "
-                         "branch body); call both in the same one")
+        name = cv._SPEC_OF[waits[slot].params["inner"]].name
+        raise ValueError(f"vjpmpi.wait: the started {name}'s vjpmpi.start is in another "
+                         "function (or loop or branch body); call both in the same one")
 
 
 cv.LOWERING_CHECKS.append(_check_pairs)

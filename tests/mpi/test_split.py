@@ -7,7 +7,8 @@
 - Derivatives equal the unsplit call's (jvp, vjp, linear_transpose); the transpose is
   the true adjoint (rank-summed dot-product test); the backward pass runs the
   transposed calls in reverse order of the *starts*, whatever order each rank waits in.
-- Other calls between a start and its wait keep program order; started calls in a loop
+- A started call does not hold up the next one (MPI's Isend / Irecv pattern of large
+  messages completes); other calls between a start and its wait keep program order; started calls in a loop
   body, remat, a rank-dependent cond, a scan; two threads running one program each
   take their own calls.
 - What XLA compiles: with `fence`s, the computation between a start and its wait is
@@ -222,6 +223,26 @@ def test_in_loop_body():
           "grad of fori_loop")
 
 
+@pytest.mark.parametrize("first", ["send", "recv"])
+def test_started_call_does_not_block_the_next(first):
+    """MPI's Isend / Irecv pattern: every rank starts a send of 8 MiB (or a receive), then
+    makes the matching blocking call, then waits. A start that made MPI's blocking call
+    would hang here: every rank's receive would queue behind its own send."""
+    n = 1 << 20
+
+    def f(x):
+        if first == "send":
+            p = vjpmpi.start(vjpmpi.send, x, nxt, tag=9)
+            y = vjpmpi.recv(x, prv, tag=9)
+            assert vjpmpi.wait(p) is None
+            return y
+        p = vjpmpi.start(vjpmpi.recv, x, prv, tag=9)
+        vjpmpi.send(x, nxt, tag=9)
+        return vjpmpi.wait(p)
+
+    np.testing.assert_array_equal(jax.jit(f)(_x(26, (n,))), _data(26, prv, (n,)))
+
+
 CONSTRUCTS = {
     "remat": jax.checkpoint,
     "cond": lambda f: lambda x: jax.lax.cond(rank % 2 == 0, f, lambda x: f(x * 2), x),
@@ -325,8 +346,10 @@ def test_collective_cannot_be_split():
 
 
 def test_not_a_vjpmpi_call():
-    with pytest.raises(TypeError, match="made no vjpmpi call"):
+    with pytest.raises(TypeError, match="argument 'op' must be vjpmpi.send"):
         vjpmpi.start(jnp.sin, _x(0))
+    with pytest.raises(TypeError, match="argument 'op' must be vjpmpi.send"):  # (not its result)
+        jax.jit(lambda x: vjpmpi.start(lambda t: vjpmpi.recv(t, prv) * 2, x)).trace(_x(0))
     with pytest.raises(TypeError, match="vjpmpi.wait: argument 'pending'"):
         vjpmpi.wait(_x(0))
 

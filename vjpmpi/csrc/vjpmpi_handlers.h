@@ -230,7 +230,7 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
         c.dims2 = dims2.data();
         std::string e = Tail(*rt, mem, c, a, ce, collective, body);
         ce->started.fetch_sub(1, std::memory_order_acq_rel);
-        started->Finish(std::move(e));
+        if (!started->posted || !e.empty()) started->Finish(std::move(e));
       });
     } else {
       started->Finish(Tail(*rt, mem, c, a, ce, collective, body));
@@ -272,10 +272,45 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
     if (e.empty()) e = Tail(*rt, mem, c, a, ce, collective, body);
   }
   if (busy) ce->busy.store(false, std::memory_order_release);
+  if (started) {  // a start that failed: its wait never comes
+    started->Finish(e);
+    ForgetStarted(*started);
+  }
   return Finish<Async>(e);
 }
 
 inline std::string Ok() { return {}; }
+
+// The MPI calls of a started call (vjpmpi.start), on the communicator's thread: its
+// messages posted (Post), then polled there between the thread's jobs until they are
+// done, which ends `started`. Where there is no such thread (MPI below
+// MPI_THREAD_MULTIPLE: the start makes the whole call), `blocking()`.
+template <typename Blocking>
+std::string PostStarted(const Call& c, const void* send, void* recv,
+                        const std::shared_ptr<Started>& started, Blocking blocking) {
+  CommThread* thread = CurrentCommThread();
+  if (thread == nullptr) return blocking();
+  auto posted = std::make_shared<Posted>();
+  std::string e = Post(c, send, recv, posted.get());
+  if (!e.empty()) return e;
+  started->posted = true;
+  Runtime* rt = CurrentRuntime();
+  std::vector<int64_t> dims(c.dims, c.dims + c.ndim), dims2(c.dims2, c.dims2 + c.ndim2);
+  thread->AddPoll([c = Call(c), posted, started, rt, since = NowNs(), dims = std::move(dims),
+                   dims2 = std::move(dims2)]() mutable {
+    c.dims = dims.data();
+    c.dims2 = dims2.data();
+    bool done = false;
+    std::string e = TestPosted(c, posted.get(), &done);
+    if (!done) {
+      if (rt) CheckTimeout(*rt, c.op, c.site, c.comm, since);
+      return false;
+    }
+    started->Finish(std::move(e));
+    return true;
+  });
+  return {};
+}
 
 // (x, token) -> (y, token): every collective with one array in and one out.
 template <bool Async, Impl F, Count N, int Uses, typename Mem>
@@ -331,7 +366,9 @@ Result<Async> SendH(Mem mem, ffi::AnyBuffer x, const Attrs& a,
   return Run<Async>(mem, c, a, false, xb, Ok, [=](Mem& mem, const Call& c) {
     const void* in = mem.In(xp, xb);
     std::string e = mem.Begin();
-    return e.empty() ? Send(c, in, nullptr) : e;
+    if (!e.empty()) return e;
+    auto blocking = [&] { return Send(c, in, nullptr); };
+    return started ? PostStarted(c, in, nullptr, started, blocking) : blocking();
   }, started);
 }
 
@@ -347,11 +384,15 @@ Result<Async> RecvH(Mem mem, ffi::AnyBuffer tmpl, void* yp, const Attrs& a,
   SetDims(tmpl.dimensions(), 0, &c.dims, &c.ndim);
   SetDims(tmpl.dimensions(), 0, &c.dims2, &c.ndim2);
   size_t yb = tmpl.size_bytes();
-  if (started) yp = Receive(started->recv, tmpl, c.peer2 == MPI_PROC_NULL);
+  const void* tp = tmpl.untyped_data();
+  if (started) tp = yp = Receive(started->recv, tmpl, c.peer2 == MPI_PROC_NULL);
   return Run<Async>(mem, c, a, false, yb, Ok, [=](Mem& mem, const Call& c) {
+    mem.In(tp, yb);  // (staged where memory is: nothing arrives from MPI_PROC_NULL)
     void* out = mem.Out(yp, yb);
     std::string e = mem.Begin();
-    return e.empty() ? Recv(c, nullptr, out) : e;
+    if (!e.empty()) return e;
+    auto blocking = [&] { return Recv(c, nullptr, out); };
+    return started ? PostStarted(c, nullptr, out, started, blocking) : blocking();
   }, started);
 }
 
@@ -378,7 +419,9 @@ Result<Async> SendrecvH(Mem mem, ffi::AnyBuffer x, ffi::AnyBuffer tmpl, void* yp
     mem.In(tp, tb);  // unreceived elements keep it
     void* out = mem.Out(yp, yb);
     std::string e = mem.Begin();
-    return e.empty() ? Sendrecv(c, in, out) : e;
+    if (!e.empty()) return e;
+    auto blocking = [&] { return Sendrecv(c, in, out); };
+    return started ? PostStarted(c, in, out, started, blocking) : blocking();
   }, started);
 }
 

@@ -977,6 +977,76 @@ inline std::string Sendrecv(const Call& c, const void* send, void* recv) {
   return e.empty() ? ReceivedAll(c, st, c.count2) : e;
 }
 
+// A started call's messages (vjpmpi.start), posted without waiting: the messages Send,
+// Recv and Sendrecv make, in their order (with the check on, the header before the
+// data), so that they pair with those; TestPosted completes them. Nothing here blocks:
+// a started send completes while the program's next call (a receive) waits, as MPI's
+// Isend does. With the check on, a receive posts the header's and the data's receives
+// together, from the call's source and tag (a receive from MPI.ANY_SOURCE could take
+// two senders' messages; the data's size is still checked).
+struct Posted {
+  enum { kHeaderIn, kDataIn, kHeaderOut, kDataOut, kRequests };
+  MPI_Request req[kRequests] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL,
+                                MPI_REQUEST_NULL};
+  P2PHeader mine{}, got{};
+  bool receives = false;
+};
+
+// `recv` (c.count2 elements from c.peer2, c.tag2) and `send` (c.count to c.peer, c.tag),
+// either null.
+inline std::string Post(const Call& c, const void* send, void* recv, Posted* p) {
+  std::string e;
+  size_t w = ByteSize(c.kind);
+  if (recv != nullptr) {
+    p->receives = true;
+    e = CountCheck(c.count2, c.op);
+    if (e.empty() && c.check_p2p) {
+      e = Check(MPI_Irecv(&p->got, sizeof(p->got), MPI_BYTE, c.peer2, c.tag2, c.comm,
+                          &p->req[Posted::kHeaderIn]),
+                c.op, "MPI_Irecv (VJPMPI_CHECK header)");
+    }
+    if (e.empty()) {
+      e = Check(VJPMPI_BY_COUNT(c.count2 * w, MPI_Irecv, recv, n, MPI_BYTE, c.peer2, c.tag2,
+                                c.comm, &p->req[Posted::kDataIn]),
+                c.op, "MPI_Irecv");
+    }
+    if (!e.empty()) return e;
+  }
+  if (send != nullptr) {
+    e = CountCheck(c.count, c.op);
+    if (e.empty() && c.check_p2p) {
+      p->mine = MakeHeader(c, c.dims, c.ndim);
+      e = Check(MPI_Isend(&p->mine, sizeof(p->mine), MPI_BYTE, c.peer, c.tag, c.comm,
+                          &p->req[Posted::kHeaderOut]),
+                c.op, "MPI_Isend (VJPMPI_CHECK header)");
+    }
+    if (e.empty()) {
+      e = Check(VJPMPI_BY_COUNT(c.count * w, MPI_Isend, send, n, MPI_BYTE, c.peer, c.tag,
+                                c.comm, &p->req[Posted::kDataOut]),
+                c.op, "MPI_Isend");
+    }
+  }
+  return e;
+}
+
+// Whether the posted messages are done (*done), and then what went wrong ("" if nothing):
+// the header compared, the whole template received.
+inline std::string TestPosted(const Call& c, Posted* p, bool* done) {
+  int flag = 0;
+  MPI_Status st[Posted::kRequests];
+  int rc = MPI_Testall(Posted::kRequests, p->req, &flag, st);
+  *done = rc != MPI_SUCCESS || flag != 0;
+  if (rc != MPI_SUCCESS) return Check(rc, c.op, "MPI_Testall");
+  if (!flag || !p->receives) return {};
+  const MPI_Status& head = st[Posted::kHeaderIn];
+  if (c.check_p2p && head.MPI_SOURCE != MPI_PROC_NULL) {
+    p->got.site_text[sizeof(p->got.site_text) - 1] = '\0';
+    std::string e = CompareHeader(c, p->got, head.MPI_SOURCE, head.MPI_TAG);
+    if (!e.empty()) return e;
+  }
+  return ReceivedAll(c, st[Posted::kDataIn], c.count2);
+}
+
 // Agree: no data moves; the call is there for the ranks' agreement alone (vjpmpi_agree.h),
 // which compares what every rank passes (a zero-size array whose shape and dtype are a
 // composite's global array: vjpmpi.fft), so that ranks that disagree, or a rank that

@@ -707,6 +707,40 @@ inline std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int6
 }
 
 // ------------------------------------------------------------ watchdog --
+// The end of a call that has waited past VJPMPI_TIMEOUT: the message, then the job ends.
+[[noreturn]] inline void TimedOut(Runtime& rt, const char* op, int64_t site, MPI_Comm comm,
+                                  double waited, double limit) {
+  int world = 0, size = 0, rank = -1, csize = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (comm != MPI_COMM_NULL) {
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm_size(comm, &csize);
+  }
+  std::string where = Site(rt, site, op ? op : "?");
+  std::fprintf(stderr,
+               "vjpmpi: timeout (VJPMPI_TIMEOUT=%g s): rank %d of %d has waited %.1f s in "
+               "%s, on a communicator of %d ranks (rank %d there); the other ranks did not "
+               "join it. Aborting the job.\n",
+               limit, world, size, waited, where.c_str(), csize, rank);
+  std::fflush(stderr);
+  // Give the launcher time to forward the message: when another rank has already
+  // exited, mpiexec may tear the job down as soon as MPI_Abort starts and drop it.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  MPI_Abort(MPI_COMM_WORLD, 3);
+  std::_Exit(3);
+}
+
+// A started call (vjpmpi.start) in flight since `start` (NowNs): the watchdog watches one
+// call at a time, so its poll keeps its own time.
+inline void CheckTimeout(Runtime& rt, const char* op, int64_t site, MPI_Comm comm,
+                         int64_t start) {
+  double limit = rt.timeout_seconds.load(std::memory_order_relaxed);
+  if (limit <= 0) return;
+  double waited = (NowNs() - start) * 1e-9;
+  if (waited >= limit) TimedOut(rt, op, site, comm, waited, limit);
+}
+
 inline void Watchdog(Runtime* rtp) {
   Runtime& rt = *rtp;
   for (;;) {
@@ -717,27 +751,8 @@ inline void Watchdog(Runtime* rtp) {
     if (start == 0 || limit <= 0) continue;
     double waited = (NowNs() - start) * 1e-9;
     if (waited < limit) continue;
-    int world = 0, size = 0, rank = -1, csize = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &world);
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
-    MPI_Comm comm = rt.watch_comm.load();
-    if (comm != MPI_COMM_NULL) {
-      MPI_Comm_rank(comm, &rank);
-      MPI_Comm_size(comm, &csize);
-    }
-    const char* op = rt.watch_op.load();
-    std::string where = Site(rt, rt.watch_site.load(), op ? op : "?");
-    std::fprintf(stderr,
-                 "vjpmpi: timeout (VJPMPI_TIMEOUT=%g s): rank %d of %d has waited %.1f s in "
-                 "%s, on a communicator of %d ranks (rank %d there); the other ranks did not "
-                 "join it. Aborting the job.\n",
-                 limit, world, size, waited, where.c_str(), csize, rank);
-    std::fflush(stderr);
-    // Give the launcher time to forward the message: when another rank has already
-    // exited, mpiexec may tear the job down as soon as MPI_Abort starts and drop it.
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    MPI_Abort(MPI_COMM_WORLD, 3);
-    std::_Exit(3);
+    TimedOut(rt, rt.watch_op.load(), rt.watch_site.load(), rt.watch_comm.load(), waited,
+             limit);
   }
 }
 
