@@ -335,21 +335,27 @@ def _lower(ctx, *args, spec: Collective, **params):
         if token is not None:
             jc.set_chain_token(ctx, ORDERED, token)
         return list(args)
-    token = _chain_start(ctx, spec)
     aliases = {}
     if spec.alias is not None:
         i, j = spec.alias
         a, b = ctx.avals_in[i], ctx.avals_out[j]
         if a.shape == b.shape and a.dtype == b.dtype:
             aliases = {i: j}
-    rule = jax.ffi.ffi_lowering(
-        f"vjpmpi_{spec.ffi_target()}", has_side_effect=True, operand_output_aliases=aliases
-    )
-    sub = ctx.replace(
-        avals_in=[*ctx.avals_in, jc.abstract_token],
-        avals_out=[*ctx.avals_out, jc.abstract_token],
-    )
-    outs = rule(sub, *args, token, **ffi_attrs(ctx, spec, params))
+    return chained_call(ctx, spec, f"vjpmpi_{spec.ffi_target()}", args, ctx.avals_in,
+                        ctx.avals_out, ffi_attrs(ctx, spec, params), aliases)
+
+
+def chained_call(ctx, spec: Collective, target: str, args, avals_in, avals_out, attrs: dict,
+                 aliases: dict | None = None) -> list:
+    """The FFI custom call `target` (a call of `spec`) on the program's ordering chain:
+    `args` (of `avals_in`) and the chain's token in, results of `avals_out` and the next
+    token out; returns the results."""
+    token = _chain_start(ctx, spec)
+    rule = jax.ffi.ffi_lowering(target, has_side_effect=True,
+                                operand_output_aliases=aliases or {})
+    sub = ctx.replace(avals_in=[*avals_in, jc.abstract_token],
+                      avals_out=[*avals_out, jc.abstract_token])
+    outs = rule(sub, *args, token, **attrs)
     jc.set_chain_token(ctx, ORDERED, outs[-1])
     return outs[:-1]
 

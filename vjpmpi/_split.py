@@ -122,11 +122,6 @@ def _ops():
     return (ops.send, ops.recv, ops.sendrecv)
 
 
-# the started form of each op: (FFI target of its start, whether its wait returns an array)
-_TARGETS = {"send": "vjpmpi_send_start", "recv": "vjpmpi_recv_start",
-            "sendrecv": "vjpmpi_sendrecv_start"}
-
-
 # ----------------------------------------------------------------- primitives --
 start_p = jc.Primitive("vjpmpi_start")
 wait_p = jc.Primitive("vjpmpi_wait")
@@ -177,30 +172,21 @@ def _inner(params):
     return spec, p
 
 
-def _lower_start(ctx, *args, **params):
+def _lower_start(ctx, *args, **params):  # -> vjpmpi_<op>_start: (operands, token) -> token
     spec, inner = _inner(params)
     _cpu_only(ctx, spec)
-    token = cv._chain_start(ctx, spec)
-    rule = jax.ffi.ffi_lowering(_TARGETS[spec.name], has_side_effect=True)
-    sub = ctx.replace(avals_in=[*ctx.avals_in, jc.abstract_token],
-                      avals_out=[jc.abstract_token])
-    (token,) = rule(sub, *args, token, **cv.ffi_attrs(ctx, spec, inner),
-                    slot=np.int64(params["slot"]))
-    jc.set_chain_token(ctx, ORDERED, token)
+    attrs = {**cv.ffi_attrs(ctx, spec, inner), "slot": np.int64(params["slot"])}
+    cv.chained_call(ctx, spec, f"vjpmpi_{spec.ffi_target()}_start", args, ctx.avals_in, [],
+                    attrs)
     return list(args)
 
 
-def _lower_wait(ctx, *state, **params):
+def _lower_wait(ctx, *state, **params):  # -> vjpmpi_wait(_send): token -> (results, token)
     spec, inner = _inner(params)
     _cpu_only(ctx, spec)
-    token = cv._chain_start(ctx, spec)
     target = "vjpmpi_wait" if ctx.avals_out else "vjpmpi_wait_send"
-    rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
-    sub = ctx.replace(avals_in=[jc.abstract_token],
-                      avals_out=[*ctx.avals_out, jc.abstract_token])
-    outs = rule(sub, token, comm=np.int64(inner["comm"].id), slot=np.int64(params["slot"]))
-    jc.set_chain_token(ctx, ORDERED, outs[-1])
-    return outs[:-1]
+    attrs = {"comm": np.int64(inner["comm"].id), "slot": np.int64(params["slot"])}
+    return cv.chained_call(ctx, spec, target, [], [], ctx.avals_out, attrs)
 
 
 def _cpu_only(ctx, spec: Collective):

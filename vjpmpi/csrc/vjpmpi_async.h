@@ -201,6 +201,13 @@ inline std::atomic<int64_t>& AsyncBytes() {
   return bytes;
 }
 
+// The thread support MPI provides (MPI_THREAD_SINGLE ... MPI_THREAD_MULTIPLE).
+inline int ThreadLevel() {
+  int provided = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&provided);
+  return provided;
+}
+
 // Whether a call moving `moved` bytes on `ce` runs on the communicator's thread: it
 // moves data, at least the threshold, and MPI lets another thread make the calls
 // (MPI_THREAD_SERIALIZED or more; where it does not, every call runs on XLA's thread).
@@ -221,9 +228,7 @@ inline bool GoesAsync(size_t moved, const CommEntry& ce) {
   int64_t limit = AsyncBytes().load(std::memory_order_relaxed);
   if (limit == kAsyncAuto) limit = ce.spans_nodes ? kAutoAsyncBytes : -1;
   if (limit < 0 || moved == 0 || moved < static_cast<size_t>(limit)) return false;
-  int provided = MPI_THREAD_SINGLE;
-  MPI_Query_thread(&provided);
-  return provided >= MPI_THREAD_SERIALIZED;
+  return ThreadLevel() >= MPI_THREAD_SERIALIZED;
 }
 
 // ------------------------------------------------------------ started calls --
@@ -300,10 +305,6 @@ inline std::shared_ptr<Started> TakeStarted(int64_t comm, int64_t slot, int64_t 
 
 // Whether a started call can run on the communicator's thread while XLA's thread makes
 // other MPI calls (MPI_THREAD_MULTIPLE); where not, the start makes the whole call.
-inline bool ThreadMultiple() {
-  int provided = MPI_THREAD_SINGLE;
-  MPI_Query_thread(&provided);
-  return provided >= MPI_THREAD_MULTIPLE;
-}
+inline bool ThreadMultiple() { return ThreadLevel() >= MPI_THREAD_MULTIPLE; }
 
 }  // namespace vjpmpi
