@@ -22,6 +22,7 @@ from typing import Callable
 
 import jax
 import numpy as np
+from mpi4py import MPI
 
 from . import _jax_compat as jc
 from . import _collective as cv
@@ -68,6 +69,10 @@ def start(op: Callable, *args, **kwargs) -> Pending:
             raise NotImplementedError(
                 f"vjpmpi.start: argument 'status' of vjpmpi.{spec.name} is not supported "
                 "in a started call")
+        if params.get("source") == MPI.ANY_SOURCE:  # (the check's header and the data
+            raise NotImplementedError(               # could come from two senders)
+                f"vjpmpi.start: argument 'source' of vjpmpi.{spec.name} must name a rank "
+                "(or MPI.PROC_NULL) in a started call, not MPI.ANY_SOURCE")
         calls.append((prim, list(arrays), comm, params))
         if jc.outside_traces():  # eager: the whole call, now
             return cv._eager(prim, {"comm": comm, **params})(*arrays)

@@ -14,8 +14,8 @@
 - What XLA compiles: with `fence`s, the computation between a start and its wait is
   scheduled between the two custom calls.
 - Misuse is a clear error at trace or lowering time: a collective, a second wait, a
-  start without its wait, a wait in another function, `status=`, a non-vjpmpi function,
-  a CUDA lowering.
+  start without its wait, a wait in another function, `status=`, MPI.ANY_SOURCE, a
+  non-vjpmpi function, a CUDA lowering.
 """
 
 import threading
@@ -357,6 +357,11 @@ def test_not_a_vjpmpi_call():
 def test_status_is_refused():
     with pytest.raises(NotImplementedError, match="'status'"):
         jax.jit(lambda x: vjpmpi.start(vjpmpi.recv, x, prv, status=MPI.Status())).trace(_x(0))
+
+
+def test_any_source_is_refused():
+    with pytest.raises(NotImplementedError, match="'source' of vjpmpi.recv must name a rank"):
+        jax.jit(lambda x: vjpmpi.start(vjpmpi.recv, x)).trace(_x(0))  # (default: ANY_SOURCE)
 
 
 def test_wait_twice():
