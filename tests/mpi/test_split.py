@@ -295,6 +295,39 @@ def test_two_threads_run_one_program():
             _same(o, xs[i], f"thread {i}")
 
 
+@pytest.mark.skipif(size < 2, reason="needs a second rank")
+def test_failed_run_releases_its_started_calls():
+    """A run that fails between a start and its wait (rank 0's receive truncates: rank 1
+    sends 10 elements where it expects 5) never reaches the wait: its started call is
+    released (nothing is left waiting for a wait), and the next program runs. Ranks
+    above 1 take no part."""
+    from vjpmpi import _kernels
+
+    x = _x(21)
+    if rank == 0:
+        def f(x):
+            p = vjpmpi.start(vjpmpi.sendrecv, x, x, 1, 1, sendtag=8, recvtag=8)
+            short = vjpmpi.recv(jnp.zeros(5), 1, tag=9)
+            return vjpmpi.wait(p) + short.sum()
+
+        with pytest.raises(Exception, match=r"vjpmpi\.recv.*(MPI_Recv|VJPMPI_CHECK)"):
+            jax.jit(f)(x).block_until_ready()
+    elif rank == 1:
+        def f(x):
+            p = vjpmpi.start(vjpmpi.sendrecv, x, x, 0, 0, sendtag=8, recvtag=8)
+            vjpmpi.send(jnp.ones(10), 0, tag=9)
+            return vjpmpi.wait(p)
+
+        jax.jit(f)(x).block_until_ready()
+    assert _kernels.cpu._started_calls() == 0
+    vjpmpi.barrier()
+    # the next program's started calls pair as before
+    f = jax.jit(lambda x: vjpmpi.wait(vjpmpi.start(
+        vjpmpi.sendrecv, x, x * 2, prv, nxt, sendtag=3, recvtag=3)))
+    _same(f(x), jax.jit(_ring)(x), "after the failed run")
+    assert _kernels.cpu._started_calls() == 0
+
+
 def test_fenced_computation_is_scheduled_between_start_and_wait():
     """With fences after the start and around the independent computation, XLA's
     schedule runs that computation between the start and the wait custom calls."""

@@ -284,13 +284,32 @@ inline std::shared_ptr<Started> NewStarted(int64_t comm, int64_t slot, int64_t r
   return s;
 }
 
-// A start that failed: its run stops, and no wait will take its call. (A run that stops
-// between a start and its wait for another reason leaves its call here.)
+// A start that failed: its run stops, and no wait will take its call.
 inline void ForgetStarted(const Started& s) {
   StartedCalls& t = TheStartedCalls();
   std::lock_guard<std::mutex> lock(t.mutex);
   auto it = t.calls.find(s.key);
   if (it != t.calls.end() && it->second.get() == &s) t.calls.erase(it);
+}
+
+// A vjpmpi call of run `run` failed: the run stops, and the waits of its calls started
+// so far never come. Their entries go; a call whose messages are still in flight keeps
+// its buffers (its poll holds them) until MPI is done with them. (A run stopped by
+// something other than a vjpmpi call, such as a host callback that raised, leaves its
+// started calls here: they hold their buffers' memory, and nothing else.)
+inline void ForgetRun(int64_t run) {
+  StartedCalls& t = TheStartedCalls();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  for (auto it = t.calls.begin(); it != t.calls.end();) {
+    it = std::get<2>(it->first) == run ? t.calls.erase(it) : std::next(it);
+  }
+}
+
+// How many started calls wait for their wait (for the tests).
+inline int64_t StartedCount() {
+  StartedCalls& t = TheStartedCalls();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  return static_cast<int64_t>(t.calls.size());
 }
 
 inline std::shared_ptr<Started> TakeStarted(int64_t comm, int64_t slot, int64_t run) {

@@ -130,7 +130,7 @@ Result<Async> Finish(const std::string& e) {
 }
 
 // The part of a call that moves data, after Run has found its communicator: the guard
-// (trace, counters, watchdog slot), the ranks' agreement on a collective
+// (trace, counters, watchdog entry), the ranks' agreement on a collective
 // (vjpmpi_agree.h) or the opt-in point-to-point check, the memory policy's staging
 // before and after, `body(mem, c)` (the MPI call) and the receive status of a status slot.
 // The ranks' agreement on a collective (vjpmpi_agree.h), on the calling thread (its
@@ -230,6 +230,7 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
         c.dims2 = dims2.data();
         std::string e = Tail(*rt, mem, c, a, ce, collective, body);
         ce->started.fetch_sub(1, std::memory_order_acq_rel);
+        if (!e.empty()) ForgetRun(a.run);
         if (!started->posted || !e.empty()) started->Finish(std::move(e));
       });
     } else {
@@ -258,6 +259,7 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
           c.dims2 = dims2.data();
           std::string e = Tail(*rt, mem, c, a, ce, collective, body, true);
           if (busy) ce->busy.store(false, std::memory_order_release);
+          if (!e.empty()) ForgetRun(a.run);
           Complete([promise, e = std::move(e)]() mutable {
             if (e.empty()) {
               promise.SetAvailable();
@@ -276,6 +278,7 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
     started->Finish(e);
     ForgetStarted(*started);
   }
+  if (!e.empty()) ForgetRun(a.run);
   return Finish<Async>(e);
 }
 
@@ -296,16 +299,15 @@ std::string PostStarted(const Call& c, const void* send, void* recv,
   started->posted = true;
   Runtime* rt = CurrentRuntime();
   std::vector<int64_t> dims(c.dims, c.dims + c.ndim), dims2(c.dims2, c.dims2 + c.ndim2);
-  thread->AddPoll([c = Call(c), posted, started, rt, since = NowNs(), dims = std::move(dims),
+  uint64_t watch = rt ? WatchCall(*rt, c.op, c.site, c.comm) : 0;  // (until its messages are done)
+  thread->AddPoll([c = Call(c), posted, started, rt, watch, dims = std::move(dims),
                    dims2 = std::move(dims2)]() mutable {
     c.dims = dims.data();
     c.dims2 = dims2.data();
     bool done = false;
     std::string e = TestPosted(c, posted.get(), &done);
-    if (!done) {
-      if (rt) CheckTimeout(*rt, c.op, c.site, c.comm, since);
-      return false;
-    }
+    if (!done) return false;
+    if (rt) Unwatch(*rt, watch);
     started->Finish(std::move(e));
     return true;
   });
@@ -662,8 +664,9 @@ ffi::Future WaitFor(int64_t comm, int64_t slot, int64_t run, void* y, size_t yb)
   ffi::Promise promise;
   ffi::Future future(promise);
   std::shared_ptr<Started> s = TakeStarted(comm, slot, run);
-  auto finish = [s, y, yb](ffi::Promise& promise) {
+  auto finish = [s, y, yb, run](ffi::Promise& promise) {
     if (!s->error.empty()) {
+      ForgetRun(run);
       promise.SetError(ffi::Error::Internal(s->error));
     } else if (s->recv.size() != yb) {
       promise.SetError(ffi::Error::Internal("vjpmpi.wait: the started call's result does not "
@@ -675,8 +678,8 @@ ffi::Future WaitFor(int64_t comm, int64_t slot, int64_t run, void* y, size_t yb)
   };
   if (s == nullptr) {
     promise.SetError(ffi::Error::Internal(
-        "vjpmpi.wait: no started call to wait for (its start did not run in this program: a "
-        "vjpmpi bug)"));
+        "vjpmpi.wait: no started call to wait for (an earlier vjpmpi call of this run "
+        "failed, or its start did not run: a vjpmpi bug)"));
     return future;
   }
   std::unique_lock<std::mutex> lock(s->mutex);
@@ -792,7 +795,7 @@ void DefineCommon(nb::module_& m) {
   m.def("dtypes", &KindNames);
   // Test views of the runtime this module's handlers use: its address, a call
   // site's text, and one guarded "call" entered exactly as a handler enters one
-  // (trace, call counter, overlap counter, watchdog slot), without MPI.
+  // (trace, call counter, overlap counter, watchdog entry), without MPI.
   m.def("_runtime_address", []() {
     return static_cast<int64_t>(reinterpret_cast<uintptr_t>(CurrentRuntime()));
   });
@@ -892,6 +895,13 @@ void DefineRuntime(nb::module_& m) {
   // vjpmpi calls running now (guarded, in any thread), for the tests of overlap
   m.def("_in_flight", []() { return owned_runtime.in_flight.load(); });
   m.def("_async_calls", []() { return owned_runtime.async_calls.load(); });
+  // started calls (vjpmpi.start) whose wait has not taken them, and the calls the watchdog
+  // watches now, for the tests of their lifetimes
+  m.def("_started_calls", &StartedCount);
+  m.def("_watched_calls", []() {
+    std::lock_guard<std::mutex> lock(owned_runtime.watch_mutex);
+    return static_cast<int64_t>(owned_runtime.watched.size());
+  });
   m.def("_on_comm_thread", []() { return OnCommThread(); });
   // the smallest call (bytes, its larger side) that runs on the communicator's thread;
   // -1: none; -2 (async_auto): auto_async_bytes across nodes, none within one

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -77,16 +78,23 @@ struct Runtime {
   std::mutex trace_mutex;
   std::vector<std::string> trace_log;
 
-  // The call the watchdog looks at: start time (ns since epoch, 0 = idle).
-  std::atomic<int64_t> watch_start{0};
-  std::atomic<int64_t> watch_site{0};
-  std::atomic<const char*> watch_op{nullptr};
-  std::atomic<MPI_Comm> watch_comm{MPI_COMM_NULL};
+  // The calls the watchdog looks at, while VJPMPI_TIMEOUT is set: every call moving data
+  // (on XLA's threads, the communicators' threads and started calls in flight at once),
+  // by a number of its own, from its start (NowNs; 0: paused) until it ends.
+  struct Watch {
+    const char* op;
+    int64_t site;
+    MPI_Comm comm;
+    int64_t start;
+  };
+  std::mutex watch_mutex;
+  std::map<uint64_t, Watch> watched;
+  uint64_t next_watch = 1;
   std::once_flag watchdog_started;
 };
 
 // Bump when Runtime changes (members, order or meaning).
-inline constexpr uint32_t kRuntimeLayout = 3;
+inline constexpr uint32_t kRuntimeLayout = 4;
 inline constexpr uint64_t kRuntimeMagic = 0x766a706d70697274ULL;  // "vjpmpirt"
 
 #define VJPMPI_STR2(x) #x
@@ -184,8 +192,31 @@ inline int64_t NowNs() {
       .count();
 }
 
+// The watchdog's entries (Runtime::watched): WatchCall returns 0 (nothing watched) while
+// VJPMPI_TIMEOUT is unset.
+inline uint64_t WatchCall(Runtime& rt, const char* op, int64_t site, MPI_Comm comm) {
+  if (rt.timeout_seconds.load(std::memory_order_relaxed) <= 0) return 0;
+  std::lock_guard<std::mutex> lock(rt.watch_mutex);
+  uint64_t id = rt.next_watch++;
+  rt.watched[id] = Runtime::Watch{op, site, comm, NowNs()};
+  return id;
+}
+// (`start` 0: paused)
+inline void Rewatch(Runtime& rt, uint64_t id, int64_t start) {
+  if (id == 0) return;
+  std::lock_guard<std::mutex> lock(rt.watch_mutex);
+  auto it = rt.watched.find(id);
+  if (it != rt.watched.end()) it->second.start = start;
+}
+inline void Unwatch(Runtime& rt, uint64_t id) {
+  if (id == 0) return;
+  std::lock_guard<std::mutex> lock(rt.watch_mutex);
+  rt.watched.erase(id);
+}
+
 struct Guard {
   Runtime& rt;
+  uint64_t watch = 0;
   Guard(Runtime& r, const char* name, int64_t site, MPI_Comm comm) : rt(r) {
     if (rt.tracing) {
       std::lock_guard<std::mutex> lock(rt.trace_mutex);
@@ -195,23 +226,16 @@ struct Guard {
     if (rt.in_flight.fetch_add(1, std::memory_order_acq_rel) != 0) {
       rt.overlaps.fetch_add(1, std::memory_order_relaxed);
     }
-    if (rt.timeout_seconds.load(std::memory_order_relaxed) > 0) {
-      rt.watch_op.store(name);
-      rt.watch_site.store(site);
-      rt.watch_comm.store(comm);
-      rt.watch_start.store(NowNs());
-    }
+    watch = WatchCall(rt, name, site, comm);
   }
   ~Guard() {
-    rt.watch_start.store(0);
+    Unwatch(rt, watch);
     rt.in_flight.fetch_sub(1, std::memory_order_acq_rel);
   }
   // The ranks' agreement keeps time itself (it says where each rank is): the
   // watchdog looks at the collective only once it starts moving data.
-  void Pause() { rt.watch_start.store(0); }
-  void Resume() {
-    if (rt.timeout_seconds.load(std::memory_order_relaxed) > 0) rt.watch_start.store(NowNs());
-  }
+  void Pause() { Rewatch(rt, watch, 0); }
+  void Resume() { Rewatch(rt, watch, NowNs()); }
 };
 
 // Using vjpmpi after MPI_Finalize is an error, not a crash.
@@ -731,28 +755,26 @@ inline std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int6
   std::_Exit(3);
 }
 
-// A started call (vjpmpi.start) in flight since `start` (NowNs): the watchdog watches one
-// call at a time, so its poll keeps its own time.
-inline void CheckTimeout(Runtime& rt, const char* op, int64_t site, MPI_Comm comm,
-                         int64_t start) {
-  double limit = rt.timeout_seconds.load(std::memory_order_relaxed);
-  if (limit <= 0) return;
-  double waited = (NowNs() - start) * 1e-9;
-  if (waited >= limit) TimedOut(rt, op, site, comm, waited, limit);
-}
-
+// The watchdog ends the job when any watched call has waited past the limit (the one
+// that has waited longest).
 inline void Watchdog(Runtime* rtp) {
   Runtime& rt = *rtp;
   for (;;) {
     double limit = rt.timeout_seconds.load();
     auto nap = std::chrono::milliseconds(limit < 2.0 ? 20 : 100);
     std::this_thread::sleep_for(nap);
-    int64_t start = rt.watch_start.load();
-    if (start == 0 || limit <= 0) continue;
-    double waited = (NowNs() - start) * 1e-9;
+    if (limit <= 0) continue;
+    Runtime::Watch oldest{nullptr, 0, MPI_COMM_NULL, 0};
+    {
+      std::lock_guard<std::mutex> lock(rt.watch_mutex);
+      for (const auto& [id, w] : rt.watched) {
+        if (w.start != 0 && (oldest.start == 0 || w.start < oldest.start)) oldest = w;
+      }
+    }
+    if (oldest.start == 0) continue;
+    double waited = (NowNs() - oldest.start) * 1e-9;
     if (waited < limit) continue;
-    TimedOut(rt, rt.watch_op.load(), rt.watch_site.load(), rt.watch_comm.load(), waited,
-             limit);
+    TimedOut(rt, oldest.op, oldest.site, oldest.comm, waited, limit);
   }
 }
 
