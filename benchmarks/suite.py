@@ -80,9 +80,10 @@ def marginal(make_loop, x, iters, reps):
     return max(t["3"] - t["1"], 1e-9) / (2 * iters)
 
 
-def interleaved(cases, reps):
+def interleaved(cases, reps, each=False):
     """Median seconds of each zero-argument callable, timed in turn within each
-    repetition so that every case sees the same machine noise."""
+    repetition so that every case sees the same machine noise (`each`: every
+    repetition's seconds, a list per case)."""
     times = {k: [] for k in cases}
     for _ in range(reps):
         for k, fn in cases.items():
@@ -90,7 +91,7 @@ def interleaved(cases, reps):
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
-    return {k: float(np.median(v)) for k, v in times.items()}
+    return times if each else {k: float(np.median(v)) for k, v in times.items()}
 
 
 def loops(make_loop, x, iters):
@@ -846,7 +847,7 @@ def async_part(quick):
     import jax.numpy as jnp
     import vjpmpi
 
-    reps, iters = (3, 2) if quick else (7, 20)
+    reps, iters = (3, 2) if quick else (11, 20)
     sizes = [(64, 4 * iters), (1 << 16, iters)] if quick else [
         (64, 100 * iters), (1 << 16, 5 * iters), (MIB, iters), (16 * MIB, 2)]
     modes = {"sync": None, "default": "auto", "64k": 1 << 16, "async": 0}
@@ -865,9 +866,15 @@ def async_part(quick):
                 return run
 
             cases[name + "1"], cases[name + "3"] = within(one), within(three)
-        t = interleaved(cases, reps)
-        rows.append({"bytes": nbytes, **{name: max(t[name + "3"] - t[name + "1"], 1e-9) / (2 * n)
-                                        for name in modes}})
+        t = interleaved(cases, reps, each=True)
+        # per call in each repetition; each ratio to sync: the median of the repetitions'
+        # (the modes' runs within one repetition see the same state of the machine)
+        per = {name: [max(b - a, 1e-9) / (2 * n) for a, b in
+                      zip(t[name + "1"], t[name + "3"], strict=True)] for name in modes}
+        rows.append({"bytes": nbytes, **{name: float(np.median(per[name])) for name in modes},
+                     **{f"{name}_vs_sync": float(np.median(
+                         [v / w for v, w in zip(per[name], per["sync"], strict=True)]))
+                        for name in modes if name != "sync"}})
     return {"ranks": SIZE, "rows": rows, "default_spans_nodes": _default_spans_nodes()}
 
 
