@@ -250,7 +250,7 @@ def test_check_compares_point_to_point_dtypes(tmp_path):
     """, env=CHECK, timeout=60)
     assert run.returncode == 0 and not run.timed_out, run.describe()
     assert re.search(r"caught: .*vjpmpi\.recv: \(VJPMPI_CHECK\) rank 0 sent float32\[4\] "
-                     r"\(send\(dest=1\) on float32\[4\] at \S+prog.py:\d+ \S+\) with tag 3, but "
+                     r"\(send\(dest=1, tag=3\) on float32\[4\] at \S+prog.py:\d+ \S+\) with tag 3, but "
                      r"rank 1's receive template is int32\[4\]", run.output), run.describe()
     assert len(report(run, "after: [2. 2.]")) == 2, run.describe()
 
@@ -338,7 +338,7 @@ def test_timeout_ends_a_started_call(tmp_path):
     assert not run.timed_out and run.returncode != 0, run.describe()
     assert "NO ERROR" not in run.output
     assert re.search(r"vjpmpi: timeout \(VJPMPI_TIMEOUT=3 s\): rank 0 of 2 has waited 3\.\d s "
-                     r"in recv\(source=1\) on float32\[1000\] at \S+prog.py:\d+ \S+, on a "
+                     r"in recv\(source=1, tag=7\) on float32\[1000\] at \S+prog.py:\d+ \S+, on a "
                      r"communicator of 2 ranks \(rank 0 there\)", run.output), run.describe()
     assert took < 60, f"job took {took:.1f} s to end"
 
@@ -368,7 +368,7 @@ def test_timeout_watches_calls_on_two_communicators(tmp_path):
     assert not run.timed_out and run.returncode != 0, run.describe()
     assert "NO ERROR" not in run.output
     assert re.search(r"vjpmpi: timeout \(VJPMPI_TIMEOUT=3 s\): rank 0 of 2 has waited 3\.\d s "
-                     r"in recv\(source=1\) on float32\[100\] at \S+prog.py:\d+ \S+, on a "
+                     r"in recv\(source=1, tag=5\) on float32\[100\] at \S+prog.py:\d+ \S+, on a "
                      r"communicator of 2 ranks \(rank 0 there\)", run.output), run.describe()
     assert took < 60, f"job took {took:.1f} s to end"
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _jax_compat as jc
 from . import _kernels  # noqa: F401  (registers the FFI targets)
-from ._mpi import RED_NAMES, CommRef
+from ._mpi import ANY_TAG, RED_NAMES, CommRef
 
 _PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parent)
 _LIBRARY_DIRS = tuple(str(pathlib.Path(m.__file__).resolve().parent)
@@ -40,8 +40,13 @@ _LIBRARY_DIRS = tuple(str(pathlib.Path(m.__file__).resolve().parent)
 FFI_ATTRS = ("red", "root", "peer", "peer2", "tag", "tag2", "status", "reverse")
 
 # How a call-site description (VJPMPI_CHECK, VJPMPI_TIMEOUT) shows a parameter.
+def _tag_text(name):
+    return lambda t: f"{name}=ANY_TAG" if t == ANY_TAG else f"{name}={t}"
+
+
 _DESCRIBE = {"red": lambda v: RED_NAMES[v], "root": "root={}".format,
-             "dest": "dest={}".format, "source": "source={}".format}
+             "dest": "dest={}".format, "source": "source={}".format,
+             **{k: _tag_text(k) for k in ("tag", "sendtag", "recvtag")}}
 
 
 @dataclasses.dataclass(frozen=True)

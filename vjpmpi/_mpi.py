@@ -133,6 +133,7 @@ def as_comm(comm: Any, op: str) -> CommRef:
 # table (`VJPMPI_REDUCTIONS` in csrc/vjpmpi_mpi.h, the one source), each name
 # that of its mpi4py op.
 RED_NAMES: tuple[str, ...] = _kernels.REDUCTIONS
+ANY_TAG: int = MPI.ANY_TAG  # (a receive's tag that matches any, as call sites show it)
 
 
 class Reduction(int):
