@@ -318,58 +318,52 @@ def test_timeout_names_the_stuck_call_and_aborts(tmp_path, nprocs):
     print(f"timeout 3 s at {nprocs} ranks: job ended after {took:.1f} s")
 
 
-# A started receive (vjpmpi.start) whose sender never comes: the watchdog watches it
-# from its start, while the program computes and then waits.
-STARTED_HANG = """
-    x = jnp.ones(1000, jnp.float32)
-    if rank == 0:
-        def f(v):
-            p = vjpmpi.start(vjpmpi.recv, v, 1, tag=7)
-            return vjpmpi.wait(p) + jnp.sin(v)
-        jax.jit(f)(x).block_until_ready()
-        say("NO ERROR")
-    else:
-        time.sleep(300)   # never sends
-"""
-
-
-def test_timeout_ends_a_started_call(tmp_path):
-    run, took = run_script(tmp_path, STARTED_HANG, env={"VJPMPI_TIMEOUT": "3"}, timeout=120)
-    assert not run.timed_out and run.returncode != 0, run.describe()
-    assert "NO ERROR" not in run.output
-    assert re.search(r"vjpmpi: timeout \(VJPMPI_TIMEOUT=3 s\): rank 0 of 2 has waited 3\.\d s "
-                     r"in recv\(source=1, tag=7\) on float32\[1000\] at \S+prog.py:\d+ \S+, on a "
-                     r"communicator of 2 ranks \(rank 0 there\)", run.output), run.describe()
-    assert took < 60, f"job took {took:.1f} s to end"
-
-
-# Two threads of rank 0, each on its own communicator: one receive that never ends, and a
-# stream of short calls beside it. The watchdog watches every call in flight, not the
-# latest one (which, ending, once hid the stuck receive until the job's own timeout).
-TWO_COMMS = """
-    import threading
-    a, b = MPI.COMM_WORLD.Dup(), MPI.COMM_WORLD.Dup()
-    x = jnp.ones(100, jnp.float32)
-    exchange = jax.jit(lambda v: vjpmpi.sendrecv(v, v, 1 - rank, 1 - rank, comm=b))
-    exchange(x).block_until_ready()
-    if rank == 0:
-        stuck = jax.jit(lambda v: vjpmpi.recv(v, 1, tag=5, comm=a))
-        threading.Thread(target=lambda: stuck(x).block_until_ready(), daemon=True).start()
-    for _ in range(400):   # about 8 s, past the limit
+# Calls the watchdog must see among others, each stuck in a receive that never ends:
+# - "started": a started receive (vjpmpi.start), watched from its start while the
+#   program computes and then waits;
+# - "two_comms": two threads of rank 0, each on its own communicator, the stuck receive
+#   beside a stream of short calls (the latest call, ending, once hid the stuck one
+#   until the job's own timeout).
+# (script, the stuck call's site as the timeout names it)
+WATCHED = {
+    "started": ("""
+        x = jnp.ones(1000, jnp.float32)
+        if rank == 0:
+            def f(v):
+                p = vjpmpi.start(vjpmpi.recv, v, 1, tag=7)
+                return vjpmpi.wait(p) + jnp.sin(v)
+            jax.jit(f)(x).block_until_ready()
+            say("NO ERROR")
+        else:
+            time.sleep(300)   # never sends
+    """, r"recv\(source=1, tag=7\) on float32\[1000\]"),
+    "two_comms": ("""
+        import threading
+        a, b = MPI.COMM_WORLD.Dup(), MPI.COMM_WORLD.Dup()
+        x = jnp.ones(100, jnp.float32)
+        exchange = jax.jit(lambda v: vjpmpi.sendrecv(v, v, 1 - rank, 1 - rank, comm=b))
         exchange(x).block_until_ready()
-        time.sleep(0.02)
-    say("NO ERROR")
-    time.sleep(300)
-"""
+        if rank == 0:
+            stuck = jax.jit(lambda v: vjpmpi.recv(v, 1, tag=5, comm=a))
+            threading.Thread(target=lambda: stuck(x).block_until_ready(), daemon=True).start()
+        for _ in range(400):   # about 8 s, past the limit
+            exchange(x).block_until_ready()
+            time.sleep(0.02)
+        say("NO ERROR")
+        time.sleep(300)
+    """, r"recv\(source=1, tag=5\) on float32\[100\]"),
+}
 
 
-def test_timeout_watches_calls_on_two_communicators(tmp_path):
-    run, took = run_script(tmp_path, TWO_COMMS, env={"VJPMPI_TIMEOUT": "3"}, timeout=90)
+@pytest.mark.parametrize("case", WATCHED)
+def test_timeout_watches_every_call_in_flight(tmp_path, case):
+    body, site = WATCHED[case]
+    run, took = run_script(tmp_path, body, env={"VJPMPI_TIMEOUT": "3"}, timeout=90)
     assert not run.timed_out and run.returncode != 0, run.describe()
     assert "NO ERROR" not in run.output
     assert re.search(r"vjpmpi: timeout \(VJPMPI_TIMEOUT=3 s\): rank 0 of 2 has waited 3\.\d s "
-                     r"in recv\(source=1, tag=5\) on float32\[100\] at \S+prog.py:\d+ \S+, on a "
-                     r"communicator of 2 ranks \(rank 0 there\)", run.output), run.describe()
+                     rf"in {site} at \S+prog.py:\d+ \S+, on a communicator of 2 ranks "
+                     r"\(rank 0 there\)", run.output), run.describe()
     assert took < 60, f"job took {took:.1f} s to end"
 
 
