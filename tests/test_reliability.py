@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from _mpirun import RANK_ENV, mpirun
+from _mpirun import RANK_ENV, Job, mpirun
 
 HEADER = """
 import sys, time
@@ -173,34 +173,57 @@ def test_disagreement_with_a_rank_already_inside_ends_the_job(tmp_path, nprocs):
     assert len(report(run, "first call ok")) == nprocs and "NO ERROR" not in run.output
     assert re.search(r"vjpmpi\.allreduce: the ranks disagree on a communicator of "
                      rf"{nprocs} ranks \(their collective #2 there\): shape differs", run.output)
-    assert re.search(r"\n  rank 0: allreduce\(SUM\) on float32\[2, 3\] \(already running it: "
-                     r"it ran this program before\)", run.output), run.describe()
-    assert re.search(r"\n  rank 1: allreduce\(SUM\) on float32\[3, 2\]\n", run.output)
+    assert re.search(r"\n  rank 0: allreduce\(SUM\) on float32\[2, 3\]( at \S+ \S+)? \(already "
+                     r"running it: it ran this program before\)", run.output), run.describe()
+    assert re.search(r"\n  rank 1: allreduce\(SUM\) on float32\[3, 2\]( at \S+ \S+)?\n",
+                     run.output), run.describe()
     assert "Aborting the job: some ranks cannot be told" in run.output
     assert took < 60, f"job took {took:.1f} s to end"
 
 
 # One rank runs a collective more than the others, which end: it learns that they
 # called MPI_Finalize (their windows say so) instead of waiting for them forever.
-EXTRA_AT_THE_END = """
-    x = jnp.ones(3, jnp.float32)
-    jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))(x).block_until_ready()
-    if rank == 0:
-        jax.jit(lambda v: vjpmpi.bcast(v, 0))(x).block_until_ready()   # the others don't
-        say("NO ERROR")
-"""
+# - "new": a program new to it, whose collective it compares before moving data;
+# - "verified": a program every rank ran before: it moves data at once, inside
+#   MPI_Allreduce, and its watchdog reads the others' windows after a second.
+# (script, what the job says: a pattern per line)
+EXTRA_AT_THE_END = {
+    "new": ("""
+        x = jnp.ones(3, jnp.float32)
+        jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))(x).block_until_ready()
+        if rank == 0:
+            jax.jit(lambda v: vjpmpi.bcast(v, 0))(x).block_until_ready()   # the others don't
+            say("NO ERROR")
+    """, [r"vjpmpi\.bcast: not every rank runs this collective on a communicator of {n} ranks "
+          r"\(their collective #2 there\)", r"\n  rank 0: bcast\(root=0\) on float32\[3\]",
+          r"\n  rank 1: has called MPI_Finalize without running it"]),
+    "verified": ("""
+        x = jnp.ones(3, jnp.float32)
+        f = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
+        f(x).block_until_ready()
+        if rank == 0:
+            f(x).block_until_ready()   # the others don't
+            say("NO ERROR")
+    """, [r"vjpmpi: rank 0 of {n} has waited [1-4]\.\d s in allreduce\(SUM\) on float32\[3\] at "
+          r"\S+prog.py:\d+ \S+, on a communicator of {n} ranks \(rank 0 there\) \(its "
+          r"collective #2 there\); rank [1-9] has called MPI_Finalize without running it\.\n"
+          r"Aborting the job \(the ranks inside the call cannot be told\)"]),
+}
 
 
 @NPROCS
-def test_collective_after_the_others_finished_ends_the_job(tmp_path, nprocs):
-    run, took = run_script(tmp_path, EXTRA_AT_THE_END, nprocs=nprocs, timeout=120)
+@pytest.mark.parametrize("case", EXTRA_AT_THE_END)
+def test_collective_after_the_others_finished_ends_the_job(tmp_path, nprocs, case):
+    body, patterns = EXTRA_AT_THE_END[case]
+    run, took = run_script(tmp_path, body, nprocs=nprocs, timeout=120)
     assert not run.timed_out and run.returncode != 0, run.describe()
     assert "NO ERROR" not in run.output
-    assert re.search(r"vjpmpi\.bcast: not every rank runs this collective on a communicator "
-                     rf"of {nprocs} ranks \(their collective #2 there\)", run.output)
-    assert re.search(r"\n  rank 0: bcast\(root=0\) on float32\[3\]", run.output)
-    for r in range(1, nprocs):
-        assert f"\n  rank {r}: has called MPI_Finalize without running it" in run.output
+    for pattern in patterns:
+        assert re.search(pattern.replace("{n}", str(nprocs)), run.output), (pattern,
+                                                                            run.describe())
+    if case == "new":  # (each rank's row)
+        for r in range(2, nprocs):
+            assert f"\n  rank {r}: has called MPI_Finalize without running it" in run.output
     assert took < 60, f"job took {took:.1f} s to end"
 
 
@@ -231,6 +254,131 @@ def test_check_waits_for_absent_ranks_within_its_limit(tmp_path, nprocs):
         assert f"\n  rank {r}: has not reached it" in run.output
         assert (f"\n  (rank {r}'s last collective there: #1, allreduce(SUM) on float32[3])"
                 in run.output), run.describe()
+    assert took < 60, f"job took {took:.1f} s to end"
+
+
+# A rank's first collective on a communicator, the other ranks never running it (they
+# return and finalize): that collective opens the communicator's agreement window, a
+# collective of its own; the rank that waits reads the others' headers in the default
+# communicator's window (opened at import) and ends the job, saying they have called
+# MPI_Finalize, with default settings and under VJPMPI_CHECK.
+FIRST_ALONE = """
+    comm = None if "{comm}" == "default" else MPI.COMM_WORLD.Split(0, rank)
+    f = lambda x, r: jax.lax.cond(r == 0, lambda v: vjpmpi.allreduce(v, MPI.SUM, comm=comm),
+                                  lambda v: v, x)
+    y = jax.jit(f)(jnp.ones(4) * (rank + 1), rank)
+    say(f"rank {{rank}} returned", np.asarray(y)[0])
+"""
+
+
+@pytest.mark.parametrize("nprocs,env", [(2, "default"), (3, "default"), (3, "check")])
+@pytest.mark.parametrize("comm", ["default", "split"])
+def test_first_collective_without_partners_ends_the_job(tmp_path, nprocs, comm, env):
+    run, took = run_script(tmp_path, FIRST_ALONE.format(comm=comm), nprocs=nprocs,
+                           env=CHECK if env == "check" else None, timeout=120)
+    assert not run.timed_out and run.returncode != 0, run.describe()
+    assert "rank 0 returned" not in run.output, run.describe()
+    for r in range(1, nprocs):
+        assert f"rank {r} returned" in run.output, run.describe()
+    if comm == "default":  # (its window is open: the agreement reads the others' entries)
+        assert re.search(r"vjpmpi\.allreduce: not every rank runs this collective on a "
+                         rf"communicator of {nprocs} ranks \(their collective #1 there\)",
+                         run.output), run.describe()
+        for r in range(1, nprocs):
+            assert f"\n  rank {r}: has called MPI_Finalize without running it" in run.output
+    else:
+        assert re.search(rf"vjpmpi: rank 0 of {nprocs} has waited \d+\.\d s in allreduce\(SUM\) "
+                         r"on float32\[4\] at \S+prog.py:\d+ \S+, on a communicator of "
+                         rf"{nprocs} ranks \(rank 0 there\), its first collective there "
+                         r"\(which opens the communicator's agreement window.*\); rank [1-9] has "
+                         r"called MPI_Finalize without running it", run.output), run.describe()
+    assert took < 30, f"job took {took:.1f} s to end"
+
+
+# A rank that has waited past VJPMPI_WARN_AFTER (60 s by default) in a call says so, once
+# per call, naming it and, for a collective, the ranks that have not reached it (read from
+# their windows); nothing ends the job unless VJPMPI_TIMEOUT is set. Here a verified
+# program, so the waiting ranks are inside MPI (the watchdog's thread warns), or a receive
+# whose tag no message has.
+STRAGGLER = {
+    "collective": ("""
+        f = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
+        x = jnp.ones(1000, jnp.float32)
+        f(x).block_until_ready()   # (collective #1: the program is verified on every rank)
+        if rank == 1:
+            time.sleep(4)          # past VJPMPI_WARN_AFTER=2, then joins
+        say(f"rank {rank} result", float(f(x)[0]))
+    """, {"VJPMPI_WARN_AFTER": "2"}),
+    "tag": ("""
+        x = jnp.ones(8, jnp.float32)
+        if rank == 0:    # sends tag 1 (received), waits for a tag 2 that never comes
+            jax.jit(lambda v: vjpmpi.sendrecv(v, v, 1, 1, sendtag=1, recvtag=2))(x)
+            say("NO ERROR")
+        elif rank == 1:
+            jax.jit(lambda v: vjpmpi.sendrecv(v, v, 0, 0, sendtag=3, recvtag=1))(x)
+        say(f"rank {rank} idle")
+        time.sleep(60)
+    """, {"VJPMPI_WARN_AFTER": "2", "VJPMPI_TIMEOUT": "6"}),
+}
+
+
+@pytest.mark.parametrize("case,nprocs", [("collective", 2), ("collective", 3), ("tag", 2)])
+def test_watchdog_warns_about_a_stuck_call(tmp_path, case, nprocs):
+    body, env = STRAGGLER[case]
+    run, took = run_script(tmp_path, body, nprocs=nprocs, env=env, timeout=120)
+    warnings = report(run, "vjpmpi: warning (VJPMPI_WARN_AFTER=2 s)")
+    assert "NO ERROR" not in run.output, run.describe()
+    if case == "collective":  # every rank but 1 waits in it: each warns once, then all end
+        assert run.returncode == 0 and not run.timed_out, run.describe()
+        assert len(report(run, f"result {float(nprocs)}")) == nprocs, run.describe()
+        assert len(warnings) == nprocs - 1, run.describe()
+        for r in (r for r in range(nprocs) if r != 1):
+            assert any(re.search(
+                rf"rank {r} of {nprocs} has waited [23]\.\d s in allreduce\(SUM\) on "
+                rf"float32\[1000\] at \S+prog.py:\d+ \S+, on a communicator of {nprocs} ranks "
+                rf"\(rank {r} there\)\. It is their collective #2 there; not there yet: rank 1 "
+                r"\(its last collective there: #1, allreduce\(SUM\) on float32\[1000\]\)\. "
+                r"Still waiting", w) for w in warnings), run.describe()
+    else:  # one warning on rank 0, then VJPMPI_TIMEOUT ends the job
+        assert run.returncode != 0 and not run.timed_out, run.describe()
+        assert len(warnings) == 1 and re.search(
+            rf"rank 0 of {nprocs} has waited 2\.\d s in sendrecv\(dest=1, source=1, "
+            r"sendtag=1, recvtag=2\) on float32\[8\], float32\[8\] at \S+prog.py:\d+ \S+, on a "
+            rf"communicator of {nprocs} ranks \(rank 0 there\)\. It waits for rank 1\.",
+            warnings[0]), run.describe()
+        assert re.search(rf"vjpmpi: timeout \(VJPMPI_TIMEOUT=6 s\): rank 0 of {nprocs} has "
+                         r"waited 6\.\d s in sendrecv\(", run.output), run.describe()
+    assert took < 60, f"job took {took:.1f} s to end"
+
+
+# A root that refused its scatter at trace time (ValueError there) while the others run a
+# program they had verified before: they are inside MPI_Scatter and cannot be told; their
+# watchdogs read the root's note (unchanged for a second) and end the job with its message.
+REFUSED_INSIDE = """
+    n = MPI.COMM_WORLD.size
+    f = jax.jit(lambda v: vjpmpi.scatter(v, 0))
+    f(jnp.ones((n, 3)) if rank == 0 else jnp.ones(3)).block_until_ready()   # verified
+    try:
+        f(jnp.ones((n + 1, 3)) if rank == 0 else jnp.ones(3)).block_until_ready()
+        say("NO ERROR")
+    except ValueError as e:
+        say(f"rank {rank} raised ValueError:", str(e).splitlines()[0])
+        time.sleep(60)
+"""
+
+
+@NPROCS
+def test_refusal_reaches_ranks_inside_the_collective(tmp_path, nprocs):
+    run, took = run_script(tmp_path, REFUSED_INSIDE, nprocs=nprocs, timeout=120)
+    assert not run.timed_out and run.returncode != 0, run.describe()
+    assert "NO ERROR" not in run.output
+    message = (rf"vjpmpi\.scatter: argument 'x' on the root \(rank 0\) must have a leading "
+               rf"axis of length comm size {nprocs}, got shape \({nprocs + 1}, 3\)")
+    assert re.search("rank 0 raised ValueError: " + message, run.output), run.describe()
+    assert re.search(message + r"\n\(rank 0 refused it when it traced the call, raising this "
+                     r"there, and will not run it; the ranks waiting in it stop here: their "
+                     rf"collective #2 on a communicator of {nprocs} ranks\)\nAborting the job "
+                     r"\(the ranks inside the call cannot be told\)", run.output), run.describe()
     assert took < 60, f"job took {took:.1f} s to end"
 
 
@@ -385,27 +533,24 @@ def test_failing_rank_ends_job_with_mpi4py_launcher(tmp_path, nprocs):
 
 
 @NPROCS
-def test_failing_rank_ends_job_with_timeout(tmp_path, nprocs):
-    run, took = run_script(tmp_path, FAIL, nprocs=nprocs, env={"VJPMPI_TIMEOUT": "5"},
-                           timeout=120)
-    if run.returncode == 3 and "vjpmpi: timeout" not in run.output:
-        # The watchdog aborted (its exit code 3) but MPICH's launcher dropped its message:
-        # when a rank has already exited, mpiexec sometimes tears the job down before
-        # forwarding what the aborting rank wrote to stderr just before MPI_Abort (a few
-        # runs in a hundred here without the watchdog's 0.2 s pause before MPI_Abort,
-        # none in 60 with it). One rerun, said in the output; the message must then be
-        # there.
-        print(f"watchdog message lost by the launcher (exit code 3), rerun:\n{run.output}")
-        run, took = run_script(tmp_path, FAIL, nprocs=nprocs, env={"VJPMPI_TIMEOUT": "5"},
-                               timeout=120)
+def test_failing_rank_ends_job_without_the_launcher(tmp_path, nprocs):
+    """Plain `python`, default settings: the failing rank exits, calling MPI_Finalize at
+    exit; the others, waiting for it at their first collective, see that in its window
+    and end the job within seconds, saying so (they used to wait for VJPMPI_TIMEOUT)."""
+    run, took = run_script(tmp_path, FAIL, nprocs=nprocs, timeout=120)
+    if run.returncode == 4 and "has called MPI_Finalize" not in run.output:
+        # (MPICH's launcher may tear the job down before forwarding what the aborting
+        # rank wrote just before MPI_Abort, when a rank has already exited: one rerun)
+        print(f"abort message lost by the launcher (exit code 4), rerun:\n{run.output}")
+        run, took = run_script(tmp_path, FAIL, nprocs=nprocs, timeout=120)
     assert not run.timed_out and run.returncode != 0, run.describe()
     assert "ValueError: boom on rank 1" in run.output
-    # a rank still waiting for rank 1 names its call (rank 1 itself never got there)
-    waiting = "|".join(str(r) for r in range(nprocs) if r != 1)
-    assert re.search(rf"vjpmpi: timeout \(VJPMPI_TIMEOUT=5 s\): rank ({waiting}) of {nprocs} "
-                     r"has waited 5\.\d s in allreduce\(SUM\)", run.output), run.describe()
-    assert "VJPMPI_TIMEOUT=5 s): rank 1 of" not in run.output, run.describe()
-    print(f"plain python + VJPMPI_TIMEOUT=5 at {nprocs} ranks: job ended {took:.1f} s after start")
+    assert re.search(r"vjpmpi\.allreduce: not every rank runs this collective on a "
+                     rf"communicator of {nprocs} ranks \(their collective #1 there\)",
+                     run.output), run.describe()
+    assert "\n  rank 1: has called MPI_Finalize without running it" in run.output
+    assert took < 30, f"job took {took:.1f} s to end"
+    print(f"plain python at {nprocs} ranks: job ended {took:.1f} s after start")
 
 
 @NPROCS
@@ -446,3 +591,77 @@ def test_message_over_2_gib(tmp_path):
     assert run.returncode == 0 and not run.timed_out, run.describe()
     assert len(report(run, " ok")) == 2, run.describe()
     print(f"2 GiB + 64 B bcast and allreduce on 2 ranks: {took:.0f} s")
+
+
+# Two jobs that wait a minute, with the default limits (no VJPMPI_TIMEOUT): they start with
+# this module and run beside its other tests (the waiting rank sleeps between its reads of
+# the other's window, the other sleeps), and the tests below collect them.
+# - "warning": a rank waits 60 s in a collective the other has not reached (here, in the
+#   ranks' agreement on a program new to both) and warns once, naming the call and where
+#   the other rank is; the other then joins and both finish.
+# - "check_limit": under VJPMPI_CHECK=1, a rank's first collective on a communicator from
+#   Comm.Split, which the other rank (alive, asleep) never runs: the job ends at the
+#   check's 60 s limit, saying so.
+MINUTE = {
+    "warning": (None, """
+        x = jnp.ones(1000, jnp.float32)
+        vjpmpi.allreduce(x, MPI.SUM).block_until_ready()   # (collective #1, on both ranks)
+        if rank == 1:
+            time.sleep(66)   # past the default warning, then joins
+        # (a program new to both: rank 0 waits in the ranks' agreement on it, asleep
+        # between its reads; in MPI_Allreduce, MPICH would keep a core busy)
+        y = jax.jit(lambda v: vjpmpi.allreduce(v[:500] * 2, MPI.MAX))(x)
+        say(f"rank {rank} result", float(y[0]), y.shape)
+    """),
+    "check_limit": (CHECK, """
+        sub = MPI.COMM_WORLD.Split(0, rank)
+        if rank == 0:
+            jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM, comm=sub))(jnp.ones(4))
+            say("NO ERROR")
+        else:
+            time.sleep(120)
+    """),
+}
+_MINUTE_JOBS: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def minute_jobs(request, tmp_path_factory):
+    """Start the selected jobs of MINUTE when the module starts; end what is left at its end."""
+    for name, (env, body) in MINUTE.items():
+        if any(item.nodeid.endswith(f"test_waits_of_a_minute[{name}]")
+               for item in request.session.items):
+            script = tmp_path_factory.mktemp(name) / "prog.py"
+            script.write_text(HEADER + textwrap.dedent(body))
+            _MINUTE_JOBS[name] = (Job(2, [str(script)], timeout=180, env=env), time.monotonic())
+    yield
+    for job, _ in _MINUTE_JOBS.values():
+        job.kill()
+
+
+@pytest.mark.parametrize("name", MINUTE)
+def test_waits_of_a_minute(name):
+    job, started = _MINUTE_JOBS[name]
+    run = job.result()
+    took = time.monotonic() - started
+    warnings = report(run, "vjpmpi: warning")
+    if name == "warning":
+        assert run.returncode == 0 and not run.timed_out, run.describe()
+        assert len(report(run, "result 2.0 (500,)")) == 2, run.describe()
+        assert len(warnings) == 1, run.describe()
+        assert re.search(
+            r"vjpmpi: warning \(VJPMPI_WARN_AFTER=60 s\): rank 0 of 2 has waited 6\d\.\d s in "
+            r"allreduce\(MAX\) on float32\[500\] at \S+prog.py:\d+ \S+, on a communicator of 2 "
+            r"ranks \(rank 0 there\), for the ranks' agreement on it \(their collective #2 "
+            r"there: .*\); each rank:\n  rank 0: allreduce\(MAX\) on float32\[500\] at \S+prog.py"
+            r":\d+ \S+\n  rank 1: has not reached it\n  \(rank 1's last collective there: #1, "
+            r"allreduce\(SUM\) on float32\[1000\]\)\n Still waiting", run.output), run.describe()
+        assert 60 < took < 150, took
+    else:
+        assert not run.timed_out and run.returncode != 0, run.describe()
+        assert "NO ERROR" not in run.output and not warnings, run.describe()
+        assert re.search(r"vjpmpi: timeout \(VJPMPI_CHECK's limit=60 s\): rank 0 of 2 has "
+                         r"waited 60\.\d s in allreduce\(SUM\) on float32\[4\] at \S+prog.py:\d+ "
+                         r"\S+, on a communicator of 2 ranks \(rank 0 there\), its first collective "
+                         r"there .*; the other ranks did not join it\.", run.output), run.describe()
+        assert 60 < took < 120, took

@@ -37,6 +37,7 @@ from . import fft as fft  # noqa: E402
 from ._devices import local_device as local_device  # noqa: E402
 from ._devices import node_local_rank as node_local_rank  # noqa: E402
 from ._kernels import cuda_mode as cuda_mode  # noqa: E402
+from ._kernels import custom_call_targets as custom_call_targets  # noqa: E402
 from ._kernels import take_trace as take_trace  # noqa: E402
 from ._mpi import default_comm as default_comm  # noqa: E402
 

@@ -18,7 +18,7 @@ import pathlib
 import sys
 import threading
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -317,8 +317,9 @@ def _user_frame() -> str:
 
 
 def _site(ctx, spec: Collective, params) -> int:
-    """Register a description of this call site with the kernels (check/timeout on); the
-    hash of its text, the same in every process that lowers the same call."""
+    """Register a description of this call site with the kernels (what the watchdog, the
+    check and the timeout name); the hash of its text, the same in every process that
+    lowers the same call."""
     detail = [_DESCRIBE[k](params[k]) for k in spec.params if k in _DESCRIBE]
     detail += ["from the last rank down"] if spec.fixed.get("reverse") else []
     avals = ", ".join(f"{a.dtype}{list(a.shape)}" for a in ctx.avals_in)
@@ -365,14 +366,28 @@ def chained_call(ctx, spec: Collective, target: str, args, avals_in, avals_out, 
     return outs[:-1]
 
 
+# The communicators whose numbers are the same in every process (the default one,
+# COMM_WORLD, COMM_SELF: vjpmpi._mpi.default_comm), the only ones an exported program
+# may name.
+_EXPORTABLE_COMMS = (1, 2, 3)
+
+
 def ffi_attrs(ctx, spec: Collective, params) -> dict:
     """The FFI attributes of one call of `spec` with `params` (every handler's set)."""
+    if params["comm"].id not in _EXPORTABLE_COMMS and jc.lowering_for_export(ctx):
+        raise NotImplementedError(
+            f"vjpmpi.{spec.name}: a program exported with jax.export names its communicator "
+            f"by vjpmpi's number for it, given in order of first use (this one is "
+            f"#{params['comm'].id}): in the process that loads it, that number could be "
+            "another communicator's. Export programs on the default communicator, "
+            "MPI.COMM_WORLD or MPI.COMM_SELF (#1-#3 in every process).")
     attrs = dict.fromkeys(FFI_ATTRS, np.int64(0))
     attrs.update({attr: _int64(params[k]) for k, attr in spec.params.items()})
     attrs.update({attr: np.int64(v) for attr, v in spec.fixed.items()})
     attrs["comm"] = np.int64(params["comm"].id)
-    site = _site(ctx, spec, params) if _kernels.CHECK or _kernels.TIMEOUT else 0
-    attrs["site"] = np.int64(params.get("note", 0) or site)  # (a note describes the call)
+    # (what the watchdog's warnings, VJPMPI_CHECK and VJPMPI_TIMEOUT name; a note describes
+    # the call instead)
+    attrs["site"] = np.int64(params.get("note", 0) or _site(ctx, spec, params))
     attrs["sig"] = np.int64(params.get("sig", 0))
     attrs["invalid"] = np.int64(params.get("invalid", 0))
     return attrs
@@ -573,6 +588,34 @@ def refusal(op: str, why: str) -> int:
     return _kernels.register_site(why if why.startswith("vjpmpi.") else f"vjpmpi.{op}: {why}")
 
 
+# Whether this process has a note of a collective it refused at trace time (`refuse_here`):
+# it goes at this rank's next call on a communicator of the same ranks.
+_REFUSAL_NOTED = False
+
+
+def refuse_here(comm: CommRef, op: str, why: str, *, root: int = -1) -> NoReturn:
+    """Raise `ValueError(why)` for an argument error that only this rank can see (the
+    ranks that pair with it cannot check it), at trace time: this rank does not enter the
+    collective. The ranks that do wait in it (their collective there one past this rank's
+    count) stop with the same text: this rank's note in the default communicator's window
+    says what it refused (op, `root`; -1: an op without one), and a rank that waits for
+    this one there, reading the note unchanged for a second, raises it (or, inside MPI
+    already, ends the job with it). The note goes when this rank calls anything else on
+    a communicator of the same ranks, so ranks that skipped the refused call are not taken
+    for ones that make it (a rank that waits in it is told only if the refusing rank does
+    not go on there within that second: then its next call there is compared with the
+    refused one, a mismatch error, or the job's end where a rank is inside MPI)."""
+    global _REFUSAL_NOTED
+    text = why if why.startswith("vjpmpi.") else f"vjpmpi.{op}: {why}"
+    _REFUSAL_NOTED = _kernels.cpu.note_refusal(comm.id, op, root, text)
+    raise ValueError(text)
+
+
+def _clear_refusal(comm: CommRef) -> None:
+    global _REFUSAL_NOTED
+    _REFUSAL_NOTED = _kernels.cpu.note_refusal(comm.id, "", -1, "")
+
+
 # vjpmpi.start sets `hook` while it calls the op: the op's bind hands it the call
 # (primitive, arrays, communicator, parameters) instead of binding it (see `captured`).
 _CAPTURE = threading.local()
@@ -604,6 +647,8 @@ def bind(prim: jc.Primitive, args: Sequence, comm: CommRef, *, invalid: str | No
         params["note"] = _kernels.register_site(note)
     if jc.inside_host_callback():
         raise RuntimeError(_IN_CALLBACK.format(op=prim.name.removeprefix("vjpmpi_")))
+    if _REFUSAL_NOTED:  # (this rank goes on: its refusal note goes, if about these ranks)
+        _clear_refusal(comm)
     if not _SPEC_OF[prim].point_to_point:
         _claim(comm, prim.name.removeprefix("vjpmpi_"))
     capture = getattr(_CAPTURE, "hook", None)

@@ -57,6 +57,10 @@ with what it is for:
   (see `track_host_callbacks`).
 - `jax._src.export._export`: `call_exported_p`, the primitive that calls a deserialized
   `jax.export` function (its `exported` parameter is the `Exported`).
+
+Attributes of public objects that JAX does not document: a lowering context's
+`module_context.axis_context` (see `program_devices`) and
+`module_context.lowering_parameters.for_export` (see `lowering_for_export`).
 """
 
 from __future__ import annotations
@@ -95,7 +99,7 @@ __all__ = [
     "abstract_token", "no_effects", "jaxprs_in_params", "outside_traces", "user_frames",
     "Effect", "register_effect", "cpu_client_started", "keep_traced_equations",
     "guard_dce_rules", "keep_alive_in_dce", "keep_in_partial_eval", "ordered_lowering",
-    "chain_token", "set_chain_token", "program_devices", "mark_jaxpr",
+    "chain_token", "set_chain_token", "program_devices", "lowering_for_export", "mark_jaxpr",
     "track_host_callbacks", "inside_host_callback", "exported_text", "call_exported_p",
     "carry_while_predicate", "run_tangent_rules", "trace_state",
 ]
@@ -433,6 +437,12 @@ def program_devices(ctx: mlir.LoweringRuleContext) -> int:
     if n is None and getattr(axis, "mesh", None) is not None:
         n = axis.mesh.size
     return int(n or 1)
+
+
+def lowering_for_export(ctx: mlir.LoweringRuleContext) -> bool:
+    """Whether the program being lowered is being exported (`jax.export`). Relies on
+    `module_context.lowering_parameters.for_export` (0.7.1 and later)."""
+    return bool(getattr(ctx.module_context.lowering_parameters, "for_export", False))
 
 
 def carry_while_predicate(cond_communicates: Callable) -> None:

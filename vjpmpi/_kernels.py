@@ -49,6 +49,25 @@ if _ours.strip() != _theirs.strip():
 for _name, _capsule in cpu.registrations().items():
     jax.ffi.register_ffi_target(f"vjpmpi_{_name}", _capsule, platform="cpu")
 
+def custom_call_targets() -> tuple[str, ...]:
+    """The XLA custom-call targets of vjpmpi's kernels (`vjpmpi_allreduce`, ...).
+
+    `jax.export` refuses a program with custom calls that JAX gives no compatibility
+    guarantee for; an exported program with vjpmpi calls needs
+    `disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in
+    vjpmpi.custom_call_targets()]`. The process that loads it must import vjpmpi (which
+    registers the targets) and have the kernels of the same vjpmpi release. The program
+    holds the ranks it names (roots, peers: a program with point-to-point calls is one
+    rank's) and its communicator, which must be the default one, `MPI.COMM_WORLD` or
+    `MPI.COMM_SELF` (exporting on another is an error: its number could be another
+    communicator's in the loading process).
+
+    Returns:
+        The targets' names, each `vjpmpi_<name>`.
+    """
+    return tuple(f"vjpmpi_{name}" for name in cpu.registrations())
+
+
 # The reduction names (in code order) and supported dtypes: the C++ tables that
 # vjpmpi/_mpi.py builds its codes from.
 REDUCTIONS = tuple(cpu.reductions())
@@ -91,6 +110,25 @@ def _env_timeout() -> float:
         raise ValueError(f"VJPMPI_TIMEOUT must be a number of seconds, got {raw!r}") from None
     if not value > 0:
         raise ValueError(f"VJPMPI_TIMEOUT must be positive, got {raw!r}")
+    return value
+
+
+WARN_AFTER_DEFAULT = 60.0  # (seconds; VJPMPI_WARN_AFTER)
+
+
+def _env_warn_after() -> float:
+    raw = os.environ.get("VJPMPI_WARN_AFTER", "").strip().lower()
+    if not raw:
+        return WARN_AFTER_DEFAULT
+    if raw in ("off", "never"):
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"VJPMPI_WARN_AFTER must be a number of seconds or 'off', got "
+                         f"{raw!r}") from None
+    if not value >= 0:
+        raise ValueError(f"VJPMPI_WARN_AFTER must not be negative, got {raw!r}")
     return value
 
 
@@ -161,10 +199,13 @@ def async_threshold(nbytes: int | str | None):
         set_async_bytes(before)
 
 
-# Opt-in diagnostics, read once at import (see README, "When things go wrong").
+# Diagnostics, read once at import (see README, "When things go wrong"): the opt-in
+# check and timeout, and the watchdog's warning about a call stuck past WARN_AFTER
+# seconds (on by default; 0: off).
 CHECK = os.environ.get("VJPMPI_CHECK", "").strip() not in ("", "0")
 TIMEOUT = _env_timeout()
-cpu.configure(CHECK, TIMEOUT)  # the one runtime: every backend's handlers
+WARN_AFTER = _env_warn_after()
+cpu.configure(CHECK, TIMEOUT, WARN_AFTER)  # the one runtime: every backend's handlers
 
 # CUDA: "auto" (device pointers when MPI reports CUDA support), "0" (stage
 # through pinned host memory), "1" (require CUDA-aware MPI: an error at first use

@@ -74,8 +74,8 @@ def default_comm() -> MPI.Intracomm:
     """vjpmpi's private duplicate of COMM_WORLD (made at import, errors returned).
 
     Made when vjpmpi is imported (every rank imports it at the same point of an
-    SPMD program), not at first use: a hidden collective at first use would hang
-    any rank whose first vjpmpi call comes at a different point.
+    SPMD program), with its agreement window, not at first use: a hidden collective at
+    first use would hang any rank whose first vjpmpi call comes at a different point.
     """
     global _default
     with _default_lock:
@@ -85,6 +85,11 @@ def default_comm() -> MPI.Intracomm:
             dup.Set_name("vjpmpi.COMM_WORLD")
             _kernels.cpu.set_world_nodes(_world_nodes(dup))
             _default = _record(dup)  # (numbers 1, 2, 3: the same in every process)
+            # its agreement window, where each rank says whether it has called MPI_Finalize
+            # and what it refused at trace time, for the ranks that wait for it on any
+            # communicator: made here, where every rank makes it (a first collective that
+            # waits for a rank that never comes then learns why)
+            _kernels.cpu.open_world(_default.id)
             _record(MPI.COMM_WORLD)
             _record(MPI.COMM_SELF)
         return _default.comm

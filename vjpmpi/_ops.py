@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _kernels
-from ._collective import Collective, bind, make_primitive, refusal
+from ._collective import Collective, bind, make_primitive, refusal, refuse_here
 from ._jax_compat import ShapedArray, Zero, instantiate_zeros, is_undefined_primal
 from ._mpi import MAX, MIN, PROD, RED_NAMES, SUM, as_comm, as_red, check_dtype, check_red_dtype
 
@@ -511,15 +511,13 @@ def scatter(x, root, *, comm=None):
     x = _array(x, "scatter")
     c = as_comm(comm, "scatter")
     root = _rank(root, c, "scatter", "root")
-    # Only the root can check its input: an error there fails the scatter on every rank
-    # when it runs (`_collective.refusal`), not only on the root while the others wait.
-    invalid = None
+    # Only the root can check its input: it raises here, and the ranks that wait in the
+    # scatter for it stop there with its message (`_collective.refuse_here`).
     if c.rank == root and (x.ndim == 0 or x.shape[0] != c.size):
-        invalid = (f"argument 'x' on the root (rank {root}) must have a leading axis of "
-                   f"length comm size {c.size}, got shape {tuple(x.shape)}")
-        if c.size == 1:  # (no other rank to wait for it: now)
-            raise ValueError(f"vjpmpi.scatter: {invalid}")
-    (y,) = bind(PRIMITIVES["scatter"], [x], c, root=root, invalid=invalid)
+        refuse_here(c, "scatter", f"argument 'x' on the root (rank {root}) must have a "
+                    f"leading axis of length comm size {c.size}, got shape {tuple(x.shape)}",
+                    root=root)
+    (y,) = bind(PRIMITIVES["scatter"], [x], c, root=root)
     return y
 
 

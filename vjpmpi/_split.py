@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -35,21 +35,34 @@ _LOCK = threading.Lock()
 class Pending:
     """A point-to-point call that `vjpmpi.start` began; `vjpmpi.wait` ends it (once)."""
 
-    def __init__(self, name, state, params=None, result=None, trace=None):
+    def __init__(self, name, state, params, trace=None, eager=False):
         self._name, self._state, self._params = name, state, params
-        self._result, self._trace, self._waited = result, trace, False
+        self._trace, self._eager, self._waited = trace, eager, False
 
     def __repr__(self):
         done = "waited" if self._waited else "pending"
         return f"vjpmpi.Pending({self._name}, {done})"
 
 
-def start(op: Callable, *args, **kwargs) -> Pending:
+def start(op: Callable, *args: Any, **kwargs: Any) -> Pending:
     """Begin the point-to-point call `op(*args, **kwargs)` (`vjpmpi.send`, `recv` or
     `sendrecv`); `vjpmpi.wait` gives its result. As MPI's Isend / Irecv: the messages
     are posted and the program goes on (the next call, the matching receive say, does
     not wait for them), and what it computes before the wait may run while they travel
-    (in a compiled program on CPU; eagerly the start makes the whole call).
+    (on CPU). Outside `jit` too: the start returns once the call is posted, and the
+    wait blocks until it has ended.
+
+    Args:
+        op: `vjpmpi.send`, `vjpmpi.recv` or `vjpmpi.sendrecv` itself.
+        *args: `op`'s positional arguments.
+        **kwargs: `op`'s keyword arguments (not `status`; a receive names its `source`).
+
+    Returns:
+        A `Pending` call, for `vjpmpi.wait`.
+
+    Raises:
+        TypeError: `op` is not one of the three.
+        NotImplementedError: a collective, `status`, or a receive from `MPI.ANY_SOURCE`.
 
     Shape: `op`'s, at the wait. Transpose: `op`'s transpose, at the start.
     """
@@ -74,16 +87,15 @@ def start(op: Callable, *args, **kwargs) -> Pending:
                 f"vjpmpi.start: argument 'source' of vjpmpi.{spec.name} must name a rank "
                 "(or MPI.PROC_NULL) in a started call, not MPI.ANY_SOURCE")
         calls.append((prim, list(arrays), comm, params))
-        if jc.outside_traces():  # eager: the whole call, now
-            return cv._eager(prim, {"comm": comm, **params})(*arrays)
         return [None] * len(spec.out_avals(params, *[jax.typeof(a) for a in arrays]))
 
     with cv.captured(hook):
-        result = op(*args, **kwargs)
+        op(*args, **kwargs)
     prim, arrays, comm, params = calls[0]
     name = cv._SPEC_OF[prim].name
     if jc.outside_traces():
-        return Pending(name, None, result=result)
+        state, params = _start_eagerly(prim, arrays, comm, params)
+        return Pending(name, state, params, eager=True)
     with _LOCK:
         slot = next(_SLOTS)
     params = {"inner": prim, "slot": slot, "comm": comm, **params}
@@ -91,9 +103,20 @@ def start(op: Callable, *args, **kwargs) -> Pending:
     return Pending(name, state, params, trace=jc.trace_state())
 
 
-def wait(pending: Pending):
+def wait(pending: Pending) -> Any:
     """End the call that `pending` began: the array received (`recv`, `sendrecv`) or None
-    (`send`). Call it once, in the function that called `vjpmpi.start`.
+    (`send`). Call it once, in the function that called `vjpmpi.start` (outside `jit`:
+    after it, anywhere; it blocks until the call has ended).
+
+    Args:
+        pending: what `vjpmpi.start` returned.
+
+    Returns:
+        The op's result: the array received, or None for a send.
+
+    Raises:
+        TypeError: `pending` is not a `Pending`.
+        ValueError: it was waited for already, or started in another function or trace.
 
     Shape: the op's result. Transpose: none (the op's transpose runs at the start).
     """
@@ -103,9 +126,10 @@ def wait(pending: Pending):
     if pending._waited:
         raise ValueError(f"vjpmpi.wait: {pending._name} was already waited for; wait once "
                          "for each vjpmpi.start")
-    if pending._state is None:  # (began eagerly: done)
+    if pending._eager:
         pending._waited = True
-        return pending._result
+        outs = _wait_eagerly(pending._state, pending._params)
+        return outs[0] if cv._SPEC_OF[pending._params["inner"]].alias is not None else None
     if jc.outside_traces() or jc.trace_state() != pending._trace:
         raise ValueError(
             f"vjpmpi.wait: the {pending._name} was started in another function or trace "
@@ -143,26 +167,65 @@ def _start_abstract(*avals, ordered=False, **params):
 
 def _wait_abstract(*avals, inner, ordered=False, sig=0, invalid=0, note=0, slot=0, comm=None,
                    **params):
-    return cv._SPEC_OF[inner].out_avals(params, *avals), _effects(ordered)
+    outs = cv._SPEC_OF[inner].out_avals(params, *avals)
+    if slot < 0 and not outs:  # (an eager send's wait: a result to block on)
+        outs = [jc.ShapedArray((0,), np.uint8)]
+    return outs, _effects(ordered)
 
 
 start_p.def_effectful_abstract_eval(_start_abstract)
 wait_p.def_effectful_abstract_eval(_wait_abstract)
 
 
-# Outside a compiled program (an eager backward pass, `jax.disable_jit`) the start makes
-# the whole call and its wait hands on the result.
-_EAGER_RESULTS: dict[int, list] = {}
+# Eager starts: the call started by a program of its own and ended by another (the
+# kernels key it by its slot alone: a negative one), the wait blocking until it has
+# ended. Slots come from a pool, so that each one's two programs compile once per shape;
+# a slot goes back once its wait has ended (a later start can then take it).
+_EAGER_FREE: list[int] = []
+_EAGER_NEXT = itertools.count(1)
+
+
+def _start_eagerly(prim, arrays, comm, params) -> tuple[list, dict]:
+    """Start `prim`'s call on `arrays` now; (its state, the start's parameters)."""
+    with _LOCK:
+        slot = _EAGER_FREE.pop() if _EAGER_FREE else -next(_EAGER_NEXT)
+    params = {"inner": prim, "slot": slot, "comm": comm, **params}
+    try:
+        with jax.disable_jit(False):  # (compiled whatever the caller's setting)
+            state = cv._eager(start_p, params)(*arrays)
+    except BaseException:
+        _release(slot)
+        raise
+    return state, params
+
+
+def _wait_eagerly(state, params) -> list:
+    try:
+        with jax.disable_jit(False):
+            return jax.block_until_ready(cv._eager(wait_p, params)(*state))
+    finally:
+        _release(params["slot"])
+
+
+def _release(slot: int) -> None:
+    with _LOCK:
+        _EAGER_FREE.append(slot)
+
+
+# Outside a compiled program (an eager backward pass, `jax.disable_jit`): the same.
+_EAGER_STARTS: dict[int, dict] = {}
 
 
 def _start_impl(*args, **params):
     spec, inner = _inner(params)
-    _EAGER_RESULTS[params["slot"]] = cv._apply(params["inner"], *args, **inner)
-    return list(args)
+    state, _EAGER_STARTS[params["slot"]] = _start_eagerly(params["inner"], args,
+                                                          inner.pop("comm"), inner)
+    return state
 
 
 def _wait_impl(*state, **params):
-    return _EAGER_RESULTS.pop(params["slot"])
+    outs = _wait_eagerly(state, _EAGER_STARTS.pop(params["slot"]))
+    return outs if _slot_of_result(_inner(params)[0]) is not None else []
 
 
 start_p.def_impl(_start_impl)
@@ -278,6 +341,8 @@ def _check_pairs(jaxpr: jc.Jaxpr) -> None:
     """Every start in a program has its wait in the same jaxpr (body), once."""
     starts, waits = {}, {}
     for eqn in jaxpr.eqns:
+        if eqn.primitive in (start_p, wait_p) and eqn.params["slot"] < 0:
+            continue  # (an eager start or wait: a program of its own)
         if eqn.primitive is start_p:
             starts[eqn.params["slot"]] = eqn
         elif eqn.primitive is wait_p:

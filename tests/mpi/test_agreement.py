@@ -238,20 +238,61 @@ def test_a_root_still_comparing_while_its_peers_run_ahead(comm):
 
 
 # ------------------------------------------ checks only some ranks can make --
-def test_scatter_root_refusal_fails_on_every_rank(comm):
-    """Only the root can check its input's rank axis: a bad one fails the scatter on
-    every rank when it runs (the others used to wait in MPI_Scatter for ever)."""
+def test_scatter_root_refusal_reaches_the_ranks_that_wait(comm):
+    """Only the root can check its input's rank axis: a bad one raises ValueError there at
+    trace time (as mpi4jax's scatter does), and the ranks waiting in the scatter for it
+    stop with the same message (they used to wait in MPI_Scatter for ever); all go on in
+    step. The communicator is fresh: the others wait for its window's opening."""
     root = last
     x = to_device(np.ones((size + 1, 2) if rank == root else (2,), np.float32))
-    raises_everywhere(lambda: vjpmpi.scatter(x, root, comm=comm),
-                      rf"vjpmpi\.scatter: argument 'x' on the root \(rank {root}\) must have a "
-                      rf"leading axis of length comm size {size}, got shape \({size + 1}, 2\)",
-                      rf"found by rank {root}, which alone can check it")
+
+    def refused(n):  # (the root's message for its input of shape (size + 1, n))
+        return (rf"vjpmpi\.scatter: argument 'x' on the root \(rank {root}\) must have a "
+                rf"leading axis of length comm size {size}, got shape \({size + 1}, {n}\)")
+    message = refused(2)
+    if rank == root:
+        with pytest.raises(ValueError, match=message):
+            vjpmpi.scatter(x, root, comm=comm)
+    else:
+        raises_everywhere(lambda: vjpmpi.scatter(x, root, comm=comm), message,
+                          rf"rank {root} refused it when it traced the call")
+    # (the root goes on there once the others have stopped: its next call there within
+    # the second its refusal takes to reach them would be compared with the scatter)
+    WORLD.Barrier()
+    in_step(comm)
+    # the same on a communicator whose window is open, in a jitted program new to every
+    # rank (the others compare; inside MPI already, in a program they verified before, they
+    # would end the job: tests/test_reliability.py)
+    f = jax.jit(lambda v: vjpmpi.scatter(v * 2, root, comm=comm))
+    x3 = to_device(np.ones((size + 1, 3) if rank == root else (3,), np.float32))
+    if rank == root:
+        with pytest.raises(ValueError, match=refused(3)):
+            f(x3)
+    else:
+        raises_everywhere(lambda: f(x3), refused(3), rf"rank {root} refused it when it traced",
+                          rf"rank {root}: refused it \(its argument error, above\)")
+    WORLD.Barrier()
+    in_step(comm)
     # the mpi4py habit: the whole (size, n) array passed on every rank, template included
     full = to_device(np.ones((size, 3), np.float32))
     raises_everywhere(lambda: jax.jit(lambda v: vjpmpi.scatter(v, 0, comm=comm))(full),
                       MISMATCH, "shape differs", row(0, "scatter(root=0) on float32[3]"),
                       row(1, f"scatter(root=0) on float32[{size}, 3]"))
+    in_step(comm)
+
+
+def test_refusal_skipped_by_the_others_leaves_them_in_step(comm):
+    """mpi4jax's own test of a wrong-size scatter runs on the root only: the root raises,
+    the others never call the scatter, and everyone's next collectives (a scatter from the
+    same root among them) pair as they should."""
+    root = last
+    if rank == root:
+        with pytest.raises(ValueError, match="vjpmpi.scatter: argument 'x' on the root"):
+            vjpmpi.scatter(to_device(np.ones(size + 1, np.float32)), root, comm=comm)
+    good = to_device(np.arange(size * 2.0, dtype=np.float32).reshape(size, 2)
+                     if rank == root else np.zeros(2, np.float32))
+    y = vjpmpi.scatter(good, root, comm=comm)
+    np.testing.assert_array_equal(np.asarray(y), [2.0 * rank, 2.0 * rank + 1])
     in_step(comm)
 
 

@@ -629,12 +629,25 @@ def test_exported_function_alone_runs_and_next_to_others_is_an_error():
     from jax import export
 
     x, z = inputs()
-    # (exported vjpmpi programs hold this job's communicator handles: for this process only)
-    unchecked = [export.DisabledSafetyCheck.custom_call("vjpmpi_allreduce")]
+    unchecked = [export.DisabledSafetyCheck.custom_call(t) for t in vjpmpi.custom_call_targets()]
+    assert "vjpmpi_allreduce" in vjpmpi.custom_call_targets()
+    with pytest.raises(ValueError, match="custom calls whose targets have no compatibility"):
+        export.export(jax.jit(_loop_then_top))(x, z)  # (JAX's check, without the list)
     exp = export.export(jax.jit(_loop_then_top), disabled_checks=unchecked)(x, z)
+    # serialized and read back (what another process of the same job would load)
+    exp = export.deserialize(exp.serialize())
     got = jax.jit(exp.call)(x, z)  # on its own: ordered by its own chain
     for g, e in zip(got, _ref_loop_then_top(gathered(x), gathered(z)), strict=True):
         np.testing.assert_allclose(np.asarray(g), e, rtol=1e-12, atol=1e-12)
+    # a communicator numbered in order of first use could be another one where it loads
+    dup = WORLD.Dup()
+    try:
+        with pytest.raises(NotImplementedError, match=r"vjpmpi\.allreduce: a program exported "
+                           r"with jax\.export names its communicator .*#\d+"):
+            export.export(jax.jit(lambda v: vjpmpi.allreduce(v, SUM, comm=dup)),
+                          disabled_checks=unchecked)(x)
+    finally:
+        dup.Free()
     if os.environ.get("VJPMPI_TRACE") == "1":  # unused results: the call still runs
         vjpmpi.take_trace()
         jax.block_until_ready(jax.jit(lambda a, b: (exp.call(a, b), a)[1])(x, z))

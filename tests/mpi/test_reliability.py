@@ -1,6 +1,7 @@
 """Endurance, communicator churn and interop with the user's own mpi4py traffic."""
 
 import gc
+import re
 
 import jax
 import jax.numpy as jnp
@@ -109,11 +110,15 @@ def test_vjpmpi_traffic_never_matches_user_messages():
 
 
 def test_checks_are_off_unless_asked_for():
-    """Default run: no call-site ids in the program, no check traffic configured."""
+    """Default run: no check traffic and no timeout configured; the watchdog warns after
+    60 s, naming the call site, whose id is in the program (its text registered)."""
     assert not _kernels.CHECK and not _kernels.TIMEOUT
+    assert _kernels.WARN_AFTER == 60.0 == _kernels.WARN_AFTER_DEFAULT
     text = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM)).lower(jnp.ones(3)).as_text()
     assert text.count("stablehlo.custom_call") == 1
-    assert "site = 0" in text
+    site = int(re.search(r"site = (-?\d+)", text).group(1))
+    assert re.fullmatch(r"allreduce\(SUM\) on float\d\d\[3\] at \S+test_reliability.py:\d+ "
+                        r"\(\S+<lambda>\)", _kernels.cpu._site_for_test(site))
 
 
 def test_freed_communicator_is_a_clear_error():

@@ -64,11 +64,30 @@ struct Entry {
   int64_t k_end;           // == k once the entry is complete (written last)
 };
 
+// A collective this rank refused at trace time (an argument error only it can see:
+// `vjpmpi.scatter`'s root), published in its header of the default communicator's window
+// (a refusal at a communicator's first collective has no window of its own yet): the
+// communicator (`group`: the hash of its ranks' places in the default communicator),
+// the collective's number there (`k`: one past the rank's count at the refusal), what it
+// was and why. A rank that waits in the same collective there, while the refusing rank
+// stays one short of it, ends it with this message (RefusedBy) instead of waiting.
+// `serial` changes with each note (0: none) and `serial_end` repeats it last, so that a
+// read that overlaps a write is seen as torn.
+struct Refusal {
+  int64_t serial;
+  uint64_t group;
+  int64_t k, root;
+  char op[16];
+  char message[720];
+  int64_t serial_end;
+};
+
 // What a rank publishes about itself on the communicator (the window's first bytes).
 struct Header {
   int64_t finalized;  // 1 once MPI_Finalize started on this rank
   int64_t invalid_k;  // the collective whose arguments this rank found invalid
   int64_t count;      // its latest published collective
+  Refusal refused;    // (the default communicator's window only)
   char message[1024 - 24];  // why they were invalid
 };
 
@@ -104,6 +123,15 @@ struct CommEntry {
   uint64_t last_verified = 0;
   std::unordered_set<uint64_t> verified;  // program signatures verified on it
   Channel* channel = nullptr;
+  // Each rank's place in the default communicator (-1: not in it) and a hash of them,
+  // the same on every rank of it (refusal notes name the communicator by it).
+  std::vector<int> in_world;
+  uint64_t group = 0;
+  // The window's communicator while its MPI_Comm_idup is pending: a first collective that
+  // stopped waiting for the others (a peer's refusal) leaves it for the next one, which the
+  // others' idup then completes.
+  MPI_Request opening = MPI_REQUEST_NULL;
+  MPI_Comm opening_dup = MPI_COMM_NULL;
 };
 
 // Communicator numbers -> entries: two levels, lock-free to read, never moved.

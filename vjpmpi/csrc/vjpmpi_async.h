@@ -298,6 +298,7 @@ inline void ForgetStarted(const Started& s) {
 // something other than a vjpmpi call, such as a host callback that raised, leaves its
 // started calls here: they hold their buffers' memory, and nothing else.)
 inline void ForgetRun(int64_t run) {
+  if (run == 0) return;  // (eager starts: each waited for by a program of its own)
   StartedCalls& t = TheStartedCalls();
   std::lock_guard<std::mutex> lock(t.mutex);
   for (auto it = t.calls.begin(); it != t.calls.end();) {

@@ -96,6 +96,10 @@ void FillStatus(Runtime& rt, int64_t slot, const MPI_Status& st) {
 template <bool Async>
 using Result = std::conditional_t<Async, ffi::Future, ffi::Error>;
 
+// The run a started call belongs to, in its key: XLA's run id; 0 for a call started by a
+// program of its own (an eager vjpmpi.start: its slot is negative) and waited for by another.
+inline int64_t StartedRun(int64_t slot, int64_t run) { return slot < 0 ? 0 : run; }
+
 // A started call's copy of the array it sends (taken in the start: XLA may reuse x's
 // buffer once the start has returned).
 inline const void* Keep(std::vector<unsigned char>& own, ffi::AnyBuffer x) {
@@ -141,12 +145,10 @@ inline std::string AgreeStep(Runtime& rt, Call& c, const Attrs& a, CommEntry* ce
   c.site_text = &SiteOf;
   std::string invalid = a.invalid ? SiteText(rt, a.invalid) : std::string();
   if (a.invalid && invalid.empty()) invalid = "an argument error (its text is not known here)";
-  std::string e = EnsureChannel(rt, *ce, c.op);
-  if (e.empty()) {
-    if (guard) guard->Pause();
-    e = Agree(rt, *ce, c, static_cast<uint64_t>(a.sig), a.run, invalid);
-    if (guard) guard->Resume();
-  }
+  if (guard) guard->Pause();
+  std::string e = EnsureChannel(rt, *ce, c);
+  if (e.empty()) e = Agree(rt, *ce, c, static_cast<uint64_t>(a.sig), a.run, invalid);
+  if (guard) guard->Resume(ce->count);
   return e;
 }
 
@@ -154,13 +156,14 @@ inline bool Agreeing(Runtime& rt, bool collective) {
   return collective && rt.agreement.load(std::memory_order_relaxed);
 }
 
-// (`agreed`: the agreement ran before, on the thread that posted this call)
+// (`agreed`: the agreement ran before, on the thread that posted this call, as the
+// collective's number `k` there)
 template <typename Mem, typename Body>
 std::string Tail(Runtime& rt, Mem& mem, Call& c, const Attrs& a, CommEntry* ce, bool collective,
-                 Body& body, bool agreed = false) {
+                 Body& body, bool agreed = false, int64_t k = 0) {
   std::string e;
   mem.Prepare(c);
-  Guard guard(rt, c.op, a.site, c.comm);
+  Guard guard(rt, c.op, a.site, c.comm, ce, PeerOf(c, collective), k);
   c.site = a.site;
   c.site_text = &SiteOf;
   MPI_Status status{};
@@ -247,17 +250,18 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
       // in MPICH, probably the blocking/nonblocking mismatch of vjpmpi_async.h's
       // GoesAsync, which that version had; not tried again since)
       if (go && Agreeing(*rt, collective)) e = AgreeStep(*rt, c, a, ce, nullptr);
+      const int64_t k = go && collective ? ce->count : 0;
       if (go && e.empty()) {
         rt->async_calls.fetch_add(1, std::memory_order_relaxed);
         ffi::Promise promise;
         ffi::Future future(promise);
         // (the dimensions live in XLA's call frame, which ends when this returns)
         std::vector<int64_t> dims(c.dims, c.dims + c.ndim), dims2(c.dims2, c.dims2 + c.ndim2);
-        PostOn(ce->id, [rt, mem, c, a, ce, collective, busy, body, promise,
+        PostOn(ce->id, [rt, mem, c, a, ce, collective, busy, body, promise, k,
                         dims = std::move(dims), dims2 = std::move(dims2)]() mutable {
           c.dims = dims.data();
           c.dims2 = dims2.data();
-          std::string e = Tail(*rt, mem, c, a, ce, collective, body, true);
+          std::string e = Tail(*rt, mem, c, a, ce, collective, body, true, k);
           if (busy) ce->busy.store(false, std::memory_order_release);
           if (!e.empty()) ForgetRun(a.run);
           Complete([promise, e = std::move(e)]() mutable {
@@ -624,7 +628,7 @@ VJPMPI_DEFINE(kHold, HoldImpl,
 template <bool Async>
 Result<Async> SendStartImpl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::Token>,
                             VJPMPI_ATTR_PARAMS, int64_t slot) {
-  return SendH<Async>(VJPMPI_MEM, x, VJPMPI_ATTRS_OF, NewStarted(comm, slot, run.run_id));
+  return SendH<Async>(VJPMPI_MEM, x, VJPMPI_ATTRS_OF, NewStarted(comm, slot, StartedRun(slot, run.run_id)));
 }
 VJPMPI_DEFINE(kSendStart, SendStartImpl,
               VJPMPI_BIND
@@ -636,7 +640,7 @@ VJPMPI_DEFINE(kSendStart, SendStartImpl,
 template <bool Async>
 Result<Async> RecvStartImpl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::Token>,
                             VJPMPI_ATTR_PARAMS, int64_t slot) {
-  return RecvH<Async>(VJPMPI_MEM, x, nullptr, VJPMPI_ATTRS_OF, NewStarted(comm, slot, run.run_id));
+  return RecvH<Async>(VJPMPI_MEM, x, nullptr, VJPMPI_ATTRS_OF, NewStarted(comm, slot, StartedRun(slot, run.run_id)));
 }
 VJPMPI_DEFINE(kRecvStart, RecvStartImpl,
               VJPMPI_BIND
@@ -648,7 +652,7 @@ VJPMPI_DEFINE(kRecvStart, RecvStartImpl,
 template <bool Async>
 Result<Async> SendrecvStartImpl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer x, ffi::AnyBuffer tmpl, ffi::Token,
                                 ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS, int64_t slot) {
-  return SendrecvH<Async>(VJPMPI_MEM, x, tmpl, nullptr, VJPMPI_ATTRS_OF, NewStarted(comm, slot, run.run_id));
+  return SendrecvH<Async>(VJPMPI_MEM, x, tmpl, nullptr, VJPMPI_ATTRS_OF, NewStarted(comm, slot, StartedRun(slot, run.run_id)));
 }
 VJPMPI_DEFINE(kSendrecvStart, SendrecvStartImpl,
               VJPMPI_BIND
@@ -694,7 +698,7 @@ ffi::Future WaitFor(int64_t comm, int64_t slot, int64_t run, void* y, size_t yb)
 
 ffi::Future WaitImpl(ffi::RunId run, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
                      ffi::Result<ffi::Token>, int64_t comm, int64_t slot) {
-  return WaitFor(comm, slot, run.run_id, y->untyped_data(), y->size_bytes());
+  return WaitFor(comm, slot, StartedRun(slot, run.run_id), y->untyped_data(), y->size_bytes());
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kWait, WaitImpl,
                               ffi::Ffi::Bind()
@@ -707,7 +711,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kWait, WaitImpl,
 
 ffi::Future WaitSendImpl(ffi::RunId run, ffi::Token, ffi::Result<ffi::Token>, int64_t comm,
                          int64_t slot) {
-  return WaitFor(comm, slot, run.run_id, nullptr, 0);
+  return WaitFor(comm, slot, StartedRun(slot, run.run_id), nullptr, 0);
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kWaitSend, WaitSendImpl,
                               ffi::Ffi::Bind()
@@ -820,8 +824,22 @@ void DefineRuntime(nb::module_& m) {
   m.def("runtime_capsule", []() {
     return nb::capsule(static_cast<const void*>(&owned_handle), kRuntimeCapsule);
   });
-  // configure(check, timeout_seconds): the opt-in mismatch check and watchdog.
-  m.def("configure", [](bool check, double timeout) { Configure(owned_runtime, check, timeout); });
+  // configure(check, timeout_seconds, warn_seconds): the opt-in mismatch check, the
+  // watchdog's limit (0: none) and when it warns (0: never)
+  m.def("configure", [](bool check, double timeout, double warn) {
+    Configure(owned_runtime, check, timeout, warn);
+  });
+  // open_world(number): the default communicator's window, at import (collective)
+  m.def("open_world", [](int64_t id) {
+    std::string e = OpenWorld(owned_runtime, id);
+    if (!e.empty()) throw std::runtime_error(e);
+  });
+  // note_refusal(number, op, root, message): a collective this rank refused at trace
+  // time, for the ranks that wait in it; op "": this rank goes on with a call there (the
+  // note goes if it is about that communicator's ranks). Whether a note is left.
+  m.def("note_refusal", [](int64_t id, const std::string& op, int root, const std::string& message) {
+    return NoteRefusal(owned_runtime, id, op, root, message);
+  });
   // register_site(text) -> its hash (the `site` attribute; also argument errors' texts)
   m.def("register_site", [](const std::string& text) { return RegisterSite(owned_runtime, text); });
   // comm_number(handle) -> vjpmpi's number for the communicator (the `comm` attribute)
@@ -899,8 +917,7 @@ void DefineRuntime(nb::module_& m) {
   // watches now, for the tests of their lifetimes
   m.def("_started_calls", &StartedCount);
   m.def("_watched_calls", []() {
-    std::lock_guard<std::mutex> lock(owned_runtime.watch_mutex);
-    return static_cast<int64_t>(owned_runtime.watched.size());
+    return static_cast<int64_t>(InFlightCalls(owned_runtime).size());
   });
   m.def("_on_comm_thread", []() { return OnCommThread(); });
   // the smallest call (bytes, its larger side) that runs on the communicator's thread;

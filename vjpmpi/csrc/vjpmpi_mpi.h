@@ -18,6 +18,7 @@
 #endif
 
 #include <algorithm>
+#include <iterator>
 #include <climits>
 #include <complex>
 #include <cstdint>
@@ -907,6 +908,22 @@ inline std::string ReceivedAll(const Call& c, const MPI_Status& st, size_t want)
          " elements: the array sent and the template must have the same size and dtype";
 }
 
+// A receive's MPI error `rc` (from `fn`, with the receive's status `st`): for a message
+// longer than the template (MPI_ERR_TRUNCATE), who sent it and what the template holds,
+// before MPI's own text.
+inline std::string ReceiveError(const Call& c, int rc, const MPI_Status& st, const char* fn) {
+  std::string e = Check(rc, c.op, fn);
+  int cls = MPI_SUCCESS;
+  MPI_Error_class(rc, &cls);
+  if (cls != MPI_ERR_TRUNCATE) return e;
+  return std::string("vjpmpi.") + c.op + ": the message from rank " +
+         std::to_string(st.MPI_SOURCE) + " (tag " + std::to_string(st.MPI_TAG) +
+         ") is longer than the receive template, which holds " + std::to_string(c.count2) +
+         " elements of " + KindName(c.kind) + " (" + std::to_string(c.count2 * ByteSize(c.kind)) +
+         " bytes): the array sent and the template must have the same size and dtype (" +
+         e.substr(e.find(':') + 2) + ")";
+}
+
 // VJPMPI_CHECK: receive the header of the message that `source` / `tag` (possibly
 // MPI_ANY_SOURCE / MPI_ANY_TAG) will match next, then compare it with the template.
 // On return *source and *tag name the actual sender and tag (what the data receive
@@ -944,10 +961,9 @@ inline std::string Recv(const Call& c, const void*, void* recv) {
   }
   MPI_Status st;
   size_t bytes = c.count * ByteSize(c.kind);
-  e = Check(VJPMPI_BY_COUNT(bytes, MPI_Recv, recv, n, MPI_BYTE, source, tag, c.comm, &st), c.op,
-            "MPI_Recv");
+  int rc = VJPMPI_BY_COUNT(bytes, MPI_Recv, recv, n, MPI_BYTE, source, tag, c.comm, &st);
   if (c.status) *c.status = st;
-  return e.empty() ? ReceivedAll(c, st, c.count) : e;
+  return rc == MPI_SUCCESS ? ReceivedAll(c, st, c.count) : ReceiveError(c, rc, st, "MPI_Recv");
 }
 
 inline std::string Sendrecv(const Call& c, const void* send, void* recv) {
@@ -961,20 +977,20 @@ inline std::string Sendrecv(const Call& c, const void* send, void* recv) {
   }
   MPI_Status st;
   size_t w = ByteSize(c.kind), out = c.count * w, in = c.count2 * w;
+  int rc;
   if (Large(out) || Large(in)) {
 #if MPI_VERSION >= 4
-    e = Check(MPI_Sendrecv_c(send, (MPI_Count)out, MPI_BYTE, c.peer, c.tag, recv,
-                             (MPI_Count)in, MPI_BYTE, source, tag, c.comm, &st),
-              c.op, "MPI_Sendrecv");
+    rc = MPI_Sendrecv_c(send, (MPI_Count)out, MPI_BYTE, c.peer, c.tag, recv, (MPI_Count)in,
+                        MPI_BYTE, source, tag, c.comm, &st);
 #else
-    e = CountCheck(out > in ? out : in, c.op);
+    return CountCheck(out > in ? out : in, c.op);
 #endif
   } else {
-    e = Check(MPI_Sendrecv(send, (int)out, MPI_BYTE, c.peer, c.tag, recv, (int)in, MPI_BYTE,
-                           source, tag, c.comm, &st), c.op, "MPI_Sendrecv");
+    rc = MPI_Sendrecv(send, (int)out, MPI_BYTE, c.peer, c.tag, recv, (int)in, MPI_BYTE, source,
+                      tag, c.comm, &st);
   }
   if (c.status) *c.status = st;
-  return e.empty() ? ReceivedAll(c, st, c.count2) : e;
+  return rc == MPI_SUCCESS ? ReceivedAll(c, st, c.count2) : ReceiveError(c, rc, st, "MPI_Sendrecv");
 }
 
 // A started call's messages (vjpmpi.start), posted without waiting: the messages Send,
@@ -988,6 +1004,8 @@ struct Posted {
   enum { kHeaderIn, kDataIn, kHeaderOut, kDataOut, kRequests };
   MPI_Request req[kRequests] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL,
                                 MPI_REQUEST_NULL};
+  MPI_Status st[kRequests] = {};  // each request's status, once it has ended
+  int error[kRequests] = {};      // MPI's error for a request that failed (0: none)
   P2PHeader mine{}, got{};
   bool receives = false;
 };
@@ -1030,21 +1048,42 @@ inline std::string Post(const Call& c, const void* send, void* recv, Posted* p) 
 }
 
 // Whether the posted messages are done (*done), and then what went wrong ("" if nothing):
-// the header compared, the whole template received.
+// with the check on, the header compared first (the sender's sizes and call site, where a
+// longer message also truncates the data's receive); a request that failed, with its own
+// error (a truncated receive: ReceiveError); the whole template received. A request that
+// fails leaves the others to end: their buffers are MPI's until they do.
 inline std::string TestPosted(const Call& c, Posted* p, bool* done) {
-  int flag = 0;
+  int n = 0;
+  int idx[Posted::kRequests];
   MPI_Status st[Posted::kRequests];
-  int rc = MPI_Testall(Posted::kRequests, p->req, &flag, st);
-  *done = rc != MPI_SUCCESS || flag != 0;
-  if (rc != MPI_SUCCESS) return Check(rc, c.op, "MPI_Testall");
-  if (!flag || !p->receives) return {};
-  const MPI_Status& head = st[Posted::kHeaderIn];
-  if (c.check_p2p && head.MPI_SOURCE != MPI_PROC_NULL) {
+  int rc = MPI_Testsome(Posted::kRequests, p->req, &n, idx, st);
+  if (rc != MPI_SUCCESS && rc != MPI_ERR_IN_STATUS) {
+    *done = true;
+    return Check(rc, c.op, "MPI_Testsome");
+  }
+  for (int i = 0; n != MPI_UNDEFINED && i < n; ++i) {
+    p->st[idx[i]] = st[i];
+    if (rc == MPI_ERR_IN_STATUS && st[i].MPI_ERROR != MPI_SUCCESS) p->error[idx[i]] = st[i].MPI_ERROR;
+  }
+  *done = std::all_of(std::begin(p->req), std::end(p->req),
+                      [](MPI_Request r) { return r == MPI_REQUEST_NULL; });
+  if (!*done) return {};
+  const MPI_Status& head = p->st[Posted::kHeaderIn];
+  if (p->receives && c.check_p2p && !p->error[Posted::kHeaderIn] &&
+      head.MPI_SOURCE != MPI_PROC_NULL) {
     p->got.site_text[sizeof(p->got.site_text) - 1] = '\0';
     std::string e = CompareHeader(c, p->got, head.MPI_SOURCE, head.MPI_TAG);
     if (!e.empty()) return e;
   }
-  return ReceivedAll(c, st[Posted::kDataIn], c.count2);
+  static const char* const kNames[Posted::kRequests] = {
+      "MPI_Irecv (VJPMPI_CHECK header)", "MPI_Irecv", "MPI_Isend (VJPMPI_CHECK header)",
+      "MPI_Isend"};
+  for (int i = 0; i < Posted::kRequests; ++i) {
+    if (!p->error[i]) continue;
+    return i == Posted::kDataIn ? ReceiveError(c, p->error[i], p->st[i], kNames[i])
+                                : Check(p->error[i], c.op, kNames[i]);
+  }
+  return p->receives ? ReceivedAll(c, p->st[Posted::kDataIn], c.count2) : std::string();
 }
 
 // Agree: no data moves; the call is there for the ranks' agreement alone (vjpmpi_agree.h),

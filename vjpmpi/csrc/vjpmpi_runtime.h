@@ -1,8 +1,9 @@
 // Run-time services shared by every backend's handlers: the one Runtime (call
 // sites, communicators, status slots, settings, counters, trace, watchdog) and how
-// modules share it, the per-call guard (overlap counter, opt-in trace), the agreement
-// of the ranks on each collective (vjpmpi_agree.h) and the opt-in timeout watchdog
-// (VJPMPI_TIMEOUT).
+// modules share it, the per-call guard (overlap counter, opt-in trace, watch slot), the
+// agreement of the ranks on each collective (vjpmpi_agree.h) and the watchdog, which
+// warns about a call stuck past VJPMPI_WARN_AFTER (60 s by default) and ends the job
+// past VJPMPI_TIMEOUT (opt-in).
 #pragma once
 
 #include <algorithm>
@@ -23,6 +24,24 @@
 #include "vjpmpi_mpi.h"
 
 namespace vjpmpi {
+
+// One call in flight, as the watchdog sees it: in a slot of the thread that runs it
+// (Guard), the fields stored relaxed and then published by `call` (the call's number in
+// this slot, never reused; 0: none, or paused while the call keeps its own time). The
+// watchdog reads `call`, the fields, then `call` again, and keeps what it read only when
+// the two agree. A call costs a few stores here, and no clock: the watchdog times a call
+// from when it first sees it.
+struct WatchSlot {
+  std::atomic<bool> taken{false};  // (a thread holds this slot)
+  std::atomic<uint64_t> call{0};
+  std::atomic<const char*> op{nullptr};
+  std::atomic<int64_t> site{0};
+  std::atomic<MPI_Comm> comm{MPI_COMM_NULL};
+  std::atomic<CommEntry*> entry{nullptr};  // its communicator
+  std::atomic<int64_t> k{0};     // a collective's number there, once it moves data (else 0)
+  std::atomic<int> peer{-1};     // a point-to-point call's peer (-1: none)
+  uint64_t serial = 0;           // the last call number given (the holding thread's)
+};
 
 // ---------------------------------------------------------------- runtime --
 // All run-time state of vjpmpi lives in ONE Runtime, shared by every backend:
@@ -58,6 +77,15 @@ struct Runtime {
   std::atomic<bool> check_enabled{false};
   std::atomic<bool> agreement{true};
   std::atomic<double> timeout_seconds{0.0};
+  std::atomic<double> warn_seconds{60.0};  // VJPMPI_WARN_AFTER (0: no warnings)
+
+  // The default communicator's entry, its window opened at import (OpenWorld): each
+  // rank's header there says whether it has called MPI_Finalize and what it refused at
+  // trace time, for the ranks that wait for it on any communicator.
+  std::atomic<CommEntry*> world{nullptr};
+  int64_t refusal_serial = 0;  // (under site_mutex)
+  // Held by the watchdog while it reads a window, and by CloseChannel while it frees one.
+  std::mutex channel_mutex;
 
   // Kernel entries that found another vjpmpi kernel of this process still
   // running: with a correct token chain this stays 0 (checked by the tests).
@@ -78,9 +106,12 @@ struct Runtime {
   std::mutex trace_mutex;
   std::vector<std::string> trace_log;
 
-  // The calls the watchdog looks at, while VJPMPI_TIMEOUT is set: every call moving data
-  // (on XLA's threads, the communicators' threads and started calls in flight at once),
-  // by a number of its own, from its start (NowNs; 0: paused) until it ends.
+  // The calls the watchdog looks at: each thread's call moving data in its slot (Guard),
+  // and here the others (started calls in flight, a thread's second call), by a number
+  // of their own, from their start (NowNs; 0: paused) until they end.
+  static constexpr int kSlots = 512;
+  WatchSlot slots[kSlots];
+  std::atomic<int> slots_used{0};  // (slots past this one were never taken)
   struct Watch {
     const char* op;
     int64_t site;
@@ -94,7 +125,7 @@ struct Runtime {
 };
 
 // Bump when Runtime changes (members, order or meaning).
-inline constexpr uint32_t kRuntimeLayout = 4;
+inline constexpr uint32_t kRuntimeLayout = 5;
 inline constexpr uint64_t kRuntimeMagic = 0x766a706d70697274ULL;  // "vjpmpirt"
 
 #define VJPMPI_STR2(x) #x
@@ -192,10 +223,17 @@ inline int64_t NowNs() {
       .count();
 }
 
-// The watchdog's entries (Runtime::watched): WatchCall returns 0 (nothing watched) while
-// VJPMPI_TIMEOUT is unset.
+// Whether the watchdog looks at calls: it warns (VJPMPI_WARN_AFTER) or ends the job
+// (VJPMPI_TIMEOUT).
+inline bool Watching(const Runtime& rt) {
+  return rt.timeout_seconds.load(std::memory_order_relaxed) > 0 ||
+         rt.warn_seconds.load(std::memory_order_relaxed) > 0;
+}
+
+// The watchdog's other entries (Runtime::watched): WatchCall returns 0 (nothing watched)
+// while it does not look.
 inline uint64_t WatchCall(Runtime& rt, const char* op, int64_t site, MPI_Comm comm) {
-  if (rt.timeout_seconds.load(std::memory_order_relaxed) <= 0) return 0;
+  if (!Watching(rt)) return 0;
   std::lock_guard<std::mutex> lock(rt.watch_mutex);
   uint64_t id = rt.next_watch++;
   rt.watched[id] = Runtime::Watch{op, site, comm, NowNs()};
@@ -214,10 +252,49 @@ inline void Unwatch(Runtime& rt, uint64_t id) {
   rt.watched.erase(id);
 }
 
+// This thread's watch slot, held until the thread ends (nullptr: every slot is taken).
+inline WatchSlot* ThreadSlot(Runtime& rt) {
+  struct Held {
+    WatchSlot* slot = nullptr;
+    ~Held() {
+      if (slot != nullptr) {
+        slot->call.store(0, std::memory_order_release);
+        slot->taken.store(false, std::memory_order_release);
+      }
+    }
+  };
+  thread_local Held held;
+  if (held.slot != nullptr) return held.slot;
+  for (int i = 0; i < Runtime::kSlots; ++i) {
+    bool free = false;
+    if (rt.slots[i].taken.load(std::memory_order_relaxed) ||
+        !rt.slots[i].taken.compare_exchange_strong(free, true, std::memory_order_acq_rel)) {
+      continue;
+    }
+    held.slot = &rt.slots[i];
+    int used = rt.slots_used.load(std::memory_order_acquire);
+    while (used < i + 1 && !rt.slots_used.compare_exchange_weak(used, i + 1)) {
+    }
+    break;
+  }
+  return held.slot;
+}
+
+// A point-to-point call's peer, the rank it waits for (-1: none, or any).
+inline int PeerOf(const Call& c, bool collective) {
+  if (collective) return -1;
+  int peer = std::strcmp(c.op, "send") == 0 ? c.peer : c.peer2;
+  return peer >= 0 ? peer : -1;
+}
+
 struct Guard {
   Runtime& rt;
-  uint64_t watch = 0;
-  Guard(Runtime& r, const char* name, int64_t site, MPI_Comm comm) : rt(r) {
+  WatchSlot* slot = nullptr;  // this thread's, holding this call
+  uint64_t watch = 0;         // else an entry of Runtime::watched
+  // (`k`: a collective's number on `entry`, where the ranks have agreed on it already)
+  Guard(Runtime& r, const char* name, int64_t site, MPI_Comm comm, CommEntry* entry = nullptr,
+        int peer = -1, int64_t k = 0)
+      : rt(r) {
     if (rt.tracing) {
       std::lock_guard<std::mutex> lock(rt.trace_mutex);
       rt.trace_log.emplace_back(name);
@@ -226,16 +303,43 @@ struct Guard {
     if (rt.in_flight.fetch_add(1, std::memory_order_acq_rel) != 0) {
       rt.overlaps.fetch_add(1, std::memory_order_relaxed);
     }
-    watch = WatchCall(rt, name, site, comm);
+    if (!Watching(rt)) return;
+    WatchSlot* s = ThreadSlot(rt);
+    if (s == nullptr || s->call.load(std::memory_order_relaxed) != 0) {  // (a second call)
+      watch = WatchCall(rt, name, site, comm);
+      return;
+    }
+    slot = s;
+    // (what the watchdog reads past this fence belongs to a call number it has not seen)
+    std::atomic_thread_fence(std::memory_order_release);
+    s->op.store(name, std::memory_order_relaxed);
+    s->site.store(site, std::memory_order_relaxed);
+    s->comm.store(comm, std::memory_order_relaxed);
+    s->entry.store(entry, std::memory_order_relaxed);
+    s->k.store(k, std::memory_order_relaxed);
+    s->peer.store(peer, std::memory_order_relaxed);
+    s->call.store(++s->serial, std::memory_order_release);
   }
   ~Guard() {
+    if (slot != nullptr) slot->call.store(0, std::memory_order_release);
     Unwatch(rt, watch);
     rt.in_flight.fetch_sub(1, std::memory_order_acq_rel);
   }
-  // The ranks' agreement keeps time itself (it says where each rank is): the
-  // watchdog looks at the collective only once it starts moving data.
-  void Pause() { Rewatch(rt, watch, 0); }
-  void Resume() { Rewatch(rt, watch, NowNs()); }
+  // The ranks' agreement keeps time itself (it says where each rank is): the watchdog
+  // looks at the collective only once it starts moving data, as collective #k of its
+  // communicator.
+  void Pause() {
+    if (slot != nullptr) slot->call.store(0, std::memory_order_release);
+    Rewatch(rt, watch, 0);
+  }
+  void Resume(int64_t k) {
+    if (slot != nullptr) {
+      std::atomic_thread_fence(std::memory_order_release);
+      slot->k.store(k, std::memory_order_relaxed);
+      slot->call.store(++slot->serial, std::memory_order_release);
+    }
+    Rewatch(rt, watch, NowNs());
+  }
 };
 
 // Using vjpmpi after MPI_Finalize is an error, not a crash.
@@ -251,9 +355,14 @@ inline std::string CheckAlive(const char* op) {
 // then fail (the number is never given to another communicator), and its window
 // is freed with it (collectively: every rank frees the communicator).
 inline void CloseChannel(Runtime& rt, CommEntry& e) {
-  Channel* ch = e.channel;
-  if (ch == nullptr) return;
-  e.channel = nullptr;
+  Channel* ch;
+  {
+    std::lock_guard<std::mutex> reading(rt.channel_mutex);  // (after the watchdog's read)
+    ch = e.channel;
+    if (ch == nullptr) return;
+    e.channel = nullptr;
+    if (rt.world.load() == &e) rt.world.store(nullptr);
+  }
   {
     std::lock_guard<std::mutex> lock(rt.comms.mutex);
     auto& v = rt.open_channels;
@@ -313,6 +422,26 @@ inline bool SpansNodes(const Runtime& rt, MPI_Comm comm, int size) {
   return false;
 }
 
+// Each rank's place in the default communicator `world` (CommEntry::in_world, group).
+// Local MPI calls only.
+inline void PlaceInWorld(CommEntry& e, MPI_Comm comm, MPI_Comm world) {
+  MPI_Group group, all;
+  MPI_Comm_group(comm, &group);
+  MPI_Comm_group(world, &all);
+  std::vector<int> ranks(e.size);
+  e.in_world.assign(e.size, MPI_UNDEFINED);
+  for (int i = 0; i < e.size; ++i) ranks[i] = i;
+  MPI_Group_translate_ranks(group, e.size, ranks.data(), all, e.in_world.data());
+  MPI_Group_free(&group);
+  MPI_Group_free(&all);
+  uint64_t h = 0x9e3779b97f4a7c15ULL;
+  for (int& w : e.in_world) {
+    if (w == MPI_UNDEFINED) w = -1;
+    h = Mix(h, static_cast<uint64_t>(static_cast<int64_t>(w)));
+  }
+  e.group = h;
+}
+
 // vjpmpi's number for `comm` (given at its first use, kept on it as an attribute, so
 // every mpi4py object of one communicator has the same number).
 inline std::string CommNumber(Runtime& rt, MPI_Comm comm, int64_t* id) {
@@ -337,6 +466,7 @@ inline std::string CommNumber(Runtime& rt, MPI_Comm comm, int64_t* id) {
   MPI_Comm_size(comm, &entry->size);
   MPI_Comm_rank(comm, &entry->rank);
   entry->spans_nodes = SpansNodes(rt, comm, entry->size);
+  if (CommEntry* world = rt.world.load()) PlaceInWorld(*entry, comm, world->comm.load());
   entry->comm.store(comm, std::memory_order_release);
   *id = entry->id;
   return Check(MPI_Comm_set_attr(comm, rt.comm_key, reinterpret_cast<void*>(
@@ -374,40 +504,29 @@ inline std::string Resolve(Runtime& rt, Call& c, int64_t id, bool collective, Co
 }
 
 // ---------------------------------------------------------- agreement --
-inline std::string OpenChannel(Runtime& rt, CommEntry& e, const char* op) {
-  auto* ch = new Channel;
-  std::string err = Check(MPI_Comm_dup(e.comm.load(), &ch->dup), op, "MPI_Comm_dup (agreement)");
-  if (err.empty()) {
-    MPI_Comm_set_errhandler(ch->dup, MPI_ERRORS_RETURN);
-    MPI_Info info;
-    MPI_Info_create(&info);
-    MPI_Info_set(info, "alloc_shm", "true");  // (MPICH: shared memory between local ranks)
-    err = Check(MPI_Win_allocate(static_cast<MPI_Aint>(Channel::kBytes), 1, info, ch->dup,
-                                 &ch->base, &ch->win),
-                op, "MPI_Win_allocate (agreement)");
-    MPI_Info_free(&info);
-  }
-  if (err.empty()) {
-    std::memset(ch->base, 0, Channel::kBytes);
-    err = Check(MPI_Win_lock_all(MPI_MODE_NOCHECK, ch->win), op, "MPI_Win_lock_all");
-  }
-  // no rank reads another's ring before it is zeroed
-  if (err.empty()) err = Check(MPI_Barrier(ch->dup), op, "MPI_Barrier (agreement)");
-  if (!err.empty()) {
-    delete ch;
-    return err;
-  }
-  e.channel = ch;
-  std::lock_guard<std::mutex> lock(rt.comms.mutex);
-  rt.open_channels.push_back(&e);
-  return {};
-}
-
 // What one read of another rank's window gives: its header's first fields and one slot.
 struct Peek {
   int64_t finalized, invalid_k, count;
   Entry entry;
 };
+
+// Wait for `n` requests; with a deadline (ns since epoch, 0: none) give up when it passes
+// (*late; the requests are left to the job's end).
+inline std::string AwaitReads(int n, MPI_Request* r, const char* op, int64_t deadline,
+                              bool* late) {
+  for (int64_t nap = 0;;) {  // (a rank outside MPI may leave its reads pending)
+    int done = 0;
+    std::string e = Check(MPI_Testall(n, r, &done, MPI_STATUSES_IGNORE), op,
+                          "MPI_Testall (agreement)");
+    if (!e.empty() || done) return e;
+    if (deadline != 0 && NowNs() > deadline) {
+      *late = true;
+      return {};
+    }
+    nap = nap == 0 ? 1000 : std::min<int64_t>(nap * 2, 1000000);
+    std::this_thread::sleep_for(std::chrono::nanoseconds(nap));
+  }
+}
 
 // One read of rank q's window; with a deadline (ns since epoch, 0: none) it gives up
 // when the deadline passes (*late; the requests are left to the job's end).
@@ -424,17 +543,251 @@ inline std::string Read(Channel& ch, int q, int64_t slot_k, Peek* out, const cha
     MPI_Wait(&r[0], MPI_STATUS_IGNORE);
     return e;
   }
-  for (int64_t nap = 0;;) {  // (a rank outside MPI may leave its reads pending)
+  return AwaitReads(2, r, op, deadline, late);
+}
+
+// Rank q (of `e`)'s header in the default communicator's window, up to its message: its
+// finalized flag and refusal note. False when there is no such window, q is not in it, or
+// MPI does not complete the read within a second.
+inline bool ReadPresence(Runtime& rt, const CommEntry& e, int q, Header* out) {
+  CommEntry* world = rt.world.load();
+  if (world == nullptr || world->channel == nullptr || q < 0 ||
+      q >= static_cast<int>(e.in_world.size()) || e.in_world[q] < 0) {
+    return false;
+  }
+  constexpr int kBytes = offsetof(Header, message);
+  MPI_Request r;
+  if (MPI_Rget(out, kBytes, MPI_BYTE, e.in_world[q], 0, kBytes, MPI_BYTE, world->channel->win,
+               &r) != MPI_SUCCESS) {
+    return false;
+  }
+  bool late = false;
+  return AwaitReads(1, &r, "agreement", NowNs() + 1000000000, &late).empty() && !late;
+}
+
+// Whether rank q's refusal note `n` refuses collective #k of `e`, `op` with root `root`
+// (-1: an op without one).
+inline bool Refuses(const Refusal& n, const CommEntry& e, int64_t k, const char* op, int root) {
+  return n.serial != 0 && n.serial == n.serial_end && n.k == k && n.group == e.group &&
+         std::strncmp(n.op, op, sizeof(n.op)) == 0 && n.root == root;
+}
+
+// A peer's refusal note, as a rank that waits for that peer sees it: acted on once the
+// same note has stood for a second (the refusing rank clears its note when it goes on to
+// its next collective there: a rank that skipped the refused call is not taken for one
+// that refused the next).
+struct RefusalSeen {
+  static constexpr int64_t kSettleNs = 1000000000;
+  int peer = -1;
+  int64_t serial = 0, since = 0;
+  bool Settled(int q, const Refusal& n, int64_t now) {
+    if (q != peer || n.serial != serial) {
+      peer = q;
+      serial = n.serial;
+      since = now;
+    }
+    return now - since >= kSettleNs;
+  }
+};
+
+inline std::string RefusalText(const Refusal& n) {
+  return std::string(n.message, strnlen(n.message, sizeof(n.message)));
+}
+
+// The error of a rank whose peer q refused the collective it waits in.
+inline std::string RefusedError(int q, const Refusal& n, const std::string& where) {
+  return RefusalText(n) + "\n(rank " + std::to_string(q) + " refused it when it traced the call, "
+         "raising this there, and will not run it; the ranks waiting in it stop here: " + where +
+         ")";
+}
+
+// The limit a wait that keeps its own time gives up at: VJPMPI_TIMEOUT, else 60 s under
+// VJPMPI_CHECK, else none (0).
+inline double TimeLimit(const Runtime& rt) {
+  double limit = rt.timeout_seconds.load();
+  if (limit <= 0 && rt.check_enabled.load(std::memory_order_relaxed)) limit = 60.0;
+  return limit;
+}
+
+// What a call is, in messages: its call site's description, else its op and arrays.
+inline std::string CallText(Runtime& rt, const Call& c) {
+  std::string site = c.site ? SiteText(rt, c.site) : std::string();
+  if (!site.empty()) return site;
+  Entry e{};
+  Fingerprint(c, e);
+  return Describe(e);
+}
+
+// "rank 0 of 4 has waited 61.0 s in <what>, on a communicator of 2 ranks (rank 0 there)"
+inline std::string Waiting(const std::string& what, int csize, int crank, double waited) {
+  int world = 0, size = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  char head[96];
+  std::snprintf(head, sizeof(head), "rank %d of %d has waited %.1f s in ", world, size, waited);
+  return head + what + ", on a communicator of " + std::to_string(csize) + " ranks (rank " +
+         std::to_string(crank) + " there)";
+}
+
+// What a warning says after where the call is.
+inline std::string StillWaiting(const Runtime& rt) {
+  char tail[512];
+  std::snprintf(tail, sizeof(tail),
+                " Still waiting: another rank may still be computing or compiling, or be in "
+                "other calls (a rank-dependent branch or trip count, a tag or peer that does "
+                "not match, collectives on two communicators in crossed orders). %s "
+                "VJPMPI_WARN_AFTER=<seconds> sets when this warning comes (0: never).",
+                rt.timeout_seconds.load() > 0 ? "VJPMPI_TIMEOUT ends the job at its limit."
+                                              : "VJPMPI_TIMEOUT=<seconds> ends the job at a limit.");
+  return tail;
+}
+
+inline void Warn(const Runtime& rt, const std::string& what) {
+  std::fprintf(stderr, "vjpmpi: warning (VJPMPI_WARN_AFTER=%g s): %s\n",
+               rt.warn_seconds.load(), what.c_str());
+  std::fflush(stderr);
+}
+
+// The job ends: a rank that cannot be told is inside the collective (or gone).
+// The job ends with `msg` (on stderr) when the ranks that must hear of an error cannot.
+[[noreturn]] inline void AbortWith(const std::string& msg, const char* why) {
+  std::fprintf(stderr, "%s\nAborting the job%s.\n", msg.c_str(), why);
+  std::fflush(stderr);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  MPI_Abort(MPI_COMM_WORLD, 4);
+  std::_Exit(4);
+}
+
+// A window's communicator, duplicated without blocking (MPI_Comm_idup): every rank joins
+// it at its first collective on `e`. While the others have not, the ranks that have wait
+// here, reading the others' headers in the default communicator's window: one that called
+// MPI_Finalize ends the job, a refusal of this very collective (RefusalSeen) is this rank's
+// error (the idup stays pending in `e`: the next collective there completes it); past
+// VJPMPI_WARN_AFTER a warning, past TimeLimit the end of the job.
+inline std::string AwaitOpening(Runtime& rt, CommEntry& e, const Call& c) {
+  const int64_t start = NowNs();
+  const double limit = TimeLimit(rt), warn = rt.warn_seconds.load();
+  const int root = (c.uses & kUsesRoot) ? c.root : -1;
+  bool warned = false;
+  // (the others' headers: from 0.1 s on, every 0.1 s plus 1 ms a rank)
+  const int64_t every = 100000000 + 1000000 * static_cast<int64_t>(e.size);
+  int64_t next_look = start + 100000000;
+  RefusalSeen refused;
+  for (int64_t nap = 0;;) {
     int done = 0;
-    e = Check(MPI_Testall(2, r, &done, MPI_STATUSES_IGNORE), op, "MPI_Testall (agreement)");
-    if (!e.empty() || done) return e;
-    if (deadline != 0 && NowNs() > deadline) {
-      *late = true;
-      return {};
+    std::string err = Check(MPI_Test(&e.opening, &done, MPI_STATUS_IGNORE), c.op,
+                            "MPI_Comm_idup (agreement)");
+    if (!err.empty() || done) return err;
+    const int64_t now = NowNs();
+    const double waited = (now - start) * 1e-9;
+    auto where = [&] {
+      return Waiting(CallText(rt, c), e.size, e.rank, waited) +
+             ", its first collective there (which opens the communicator's agreement window, "
+             "collectively: every rank of it joins at its own first collective there)";
+    };
+    if (now >= next_look) {
+      next_look = now + every;
+      for (int q = 0; q < e.size; ++q) {
+        Header h{};
+        if (q == e.rank || !ReadPresence(rt, e, q, &h)) continue;
+        const bool refuses = Refuses(h.refused, e, 1, c.op, root);
+        if (h.finalized && !refuses) {
+          AbortWith("vjpmpi: " + where() + "; rank " + std::to_string(q) +
+                        " has called MPI_Finalize without running it.",
+                    "");
+        }
+        // (a rank gone since its refusal goes on nowhere: no second to wait)
+        if (refuses && (h.finalized || refused.Settled(q, h.refused, now))) {
+          return RefusedError(q, h.refused, "the first collective on a communicator of " +
+                                                      std::to_string(e.size) + " ranks");
+        }
+      }
+    }
+    if (!warned && warn > 0 && waited >= warn && !(limit > 0 && waited >= limit)) {
+      warned = true;
+      Warn(rt, where() + "; not every rank has joined it." + StillWaiting(rt));
+    }
+    if (limit > 0 && waited >= limit) {
+      char head[64];
+      std::snprintf(head, sizeof(head), "vjpmpi: timeout (%s=%g s): ",
+                    rt.timeout_seconds.load() > 0 ? "VJPMPI_TIMEOUT" : "VJPMPI_CHECK's limit",
+                    limit);
+      AbortWith(head + where() + "; the other ranks did not join it.", "");
     }
     nap = nap == 0 ? 1000 : std::min<int64_t>(nap * 2, 1000000);
-    std::this_thread::sleep_for(std::chrono::nanoseconds(nap));
+    if (nap < 20000) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::nanoseconds(nap));
+    }
   }
+}
+
+// A communicator's window, opened at its first collective `c` (collectively; the default
+// communicator's at import, `c` null).
+inline std::string OpenChannel(Runtime& rt, CommEntry& e, const Call* c) {
+  const char* op = c ? c->op : "import";
+  std::string err;
+  if (e.opening == MPI_REQUEST_NULL && e.opening_dup == MPI_COMM_NULL) {
+    err = Check(MPI_Comm_idup(e.comm.load(), &e.opening_dup, &e.opening), op,
+                "MPI_Comm_idup (agreement)");
+    if (!err.empty()) return err;
+  }
+  if (c != nullptr) {
+    err = AwaitOpening(rt, e, *c);
+  } else {
+    err = Check(MPI_Wait(&e.opening, MPI_STATUS_IGNORE), op, "MPI_Comm_idup (agreement)");
+  }
+  if (!err.empty()) return err;
+  auto* ch = new Channel;
+  ch->dup = e.opening_dup;
+  e.opening_dup = MPI_COMM_NULL;
+  MPI_Comm_set_errhandler(ch->dup, MPI_ERRORS_RETURN);
+  MPI_Info info;
+  MPI_Info_create(&info);
+  MPI_Info_set(info, "alloc_shm", "true");  // (MPICH: shared memory between local ranks)
+  err = Check(MPI_Win_allocate(static_cast<MPI_Aint>(Channel::kBytes), 1, info, ch->dup,
+                               &ch->base, &ch->win),
+              op, "MPI_Win_allocate (agreement)");
+  MPI_Info_free(&info);
+  if (err.empty()) {
+    std::memset(ch->base, 0, Channel::kBytes);
+    err = Check(MPI_Win_lock_all(MPI_MODE_NOCHECK, ch->win), op, "MPI_Win_lock_all");
+  }
+  // no rank reads another's ring before it is zeroed
+  if (err.empty()) err = Check(MPI_Barrier(ch->dup), op, "MPI_Barrier (agreement)");
+  if (!err.empty()) {
+    delete ch;
+    return err;
+  }
+  {
+    std::lock_guard<std::mutex> reading(rt.channel_mutex);
+    e.channel = ch;
+  }
+  std::lock_guard<std::mutex> lock(rt.comms.mutex);
+  rt.open_channels.push_back(&e);
+  return {};
+}
+
+// The default communicator (vjpmpi's number `id`): its window opened at import, where
+// every rank makes it (vjpmpi._mpi.default_comm), and its ranks' places (each rank's
+// place in it is the identity).
+inline std::string OpenWorld(Runtime& rt, int64_t id) {
+  CommEntry* e = rt.comms.Get(id);
+  if (e == nullptr) return "vjpmpi: no such communicator number";
+  PlaceInWorld(*e, e->comm.load(), e->comm.load());
+  if (e->size > 1 && e->channel == nullptr) {
+    std::string err = OpenChannel(rt, *e, nullptr);
+    if (!err.empty()) return err;
+  }
+  rt.world.store(e);
+  std::lock_guard<std::mutex> lock(rt.comms.mutex);  // (those numbered before)
+  for (int64_t i = 1; i < rt.comms.next; ++i) {
+    CommEntry* other = rt.comms.Get(i);
+    MPI_Comm comm = other ? other->comm.load() : MPI_COMM_NULL;
+    if (other != nullptr && other != e && comm != MPI_COMM_NULL) PlaceInWorld(*other, comm, e->comm.load());
+  }
+  return {};
 }
 
 inline std::string ReadMessage(Channel& ch, int q) {
@@ -449,7 +802,8 @@ inline std::string ReadMessage(Channel& ch, int q) {
 }
 
 // (kUnread: a read of its window that MPI did not complete by the deadline)
-enum PeerState { kWaiting, kHave, kAhead, kFinalized, kUnread };
+// (kRefused: it refused this collective at trace time, RefusalSeen)
+enum PeerState { kWaiting, kHave, kAhead, kFinalized, kUnread, kRefused };
 
 // The rows of a message: each rank's collective #k (or where it is instead).
 inline std::string Rows(Runtime& rt, const std::vector<Entry>& all,
@@ -467,6 +821,8 @@ inline std::string Rows(Runtime& rt, const std::vector<Entry>& all,
       }
     } else if (state[q] == kFinalized) {
       s += "has called MPI_Finalize without running it";
+    } else if (state[q] == kRefused) {
+      s += "refused it (its argument error, above) and will not run it";
     } else if (state[q] == kUnread) {
       s += "its window could not be read: MPI did not complete the read (with MPICH over "
            "libfabric's TCP provider, more than FI_TCP_MAX_SAVED unmatched messages from it "
@@ -480,21 +836,34 @@ inline std::string Rows(Runtime& rt, const std::vector<Entry>& all,
   return s;
 }
 
-// The job ends: a rank that cannot be told is inside the collective (or gone).
-// The job ends with `msg` (on stderr) when the ranks that must hear of an error cannot.
-[[noreturn]] inline void AbortWith(const std::string& msg, const char* why) {
-  std::fprintf(stderr, "%s\nAborting the job%s.\n", msg.c_str(), why);
-  std::fflush(stderr);
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  MPI_Abort(MPI_COMM_WORLD, 4);
-  std::_Exit(4);
+
+// Where each rank is (Rows), and the last collective of those that have not come: what a
+// warning or a timeout of the ranks' agreement on collective #k says.
+inline std::string Places(Runtime& rt, Channel& ch, const std::vector<Entry>& all,
+                          const std::vector<int>& state, int me, const char* op) {
+  std::string msg = Rows(rt, all, state, me);
+  Peek p{};
+  const int64_t soon = NowNs() + 1000000000;  // (what arrives within a second)
+  for (size_t q = 0; q < all.size(); ++q) {
+    bool gone = false;
+    if (state[q] != kWaiting) continue;
+    if (Read(ch, static_cast<int>(q), 0, &p, op, soon, &gone).empty() && !gone && p.count > 0 &&
+        Read(ch, static_cast<int>(q), p.count, &p, op, soon, &gone).empty() && !gone &&
+        p.entry.k == p.entry.k_end && p.entry.k > 0) {
+      msg += "\n  (rank " + std::to_string(q) + "'s last collective there: #" +
+             std::to_string(p.entry.k) + ", " + Describe(p.entry) + ")";
+    }
+  }
+  return msg;
 }
 
 // Wait for every other rank's entry for collective `mine.k`; compare; "" when they
-// agree, else the error (raised when every rank compares, else the job ends).
+// agree, else the error (raised when every rank compares, else the job ends). *refused:
+// the error is a rank's refusal of this collective at trace time (RefusalSeen): that rank
+// never publishes it, and the caller takes this rank's entry back.
 inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine,
                           const std::string& invalid_message, std::vector<Entry>& all,
-                          std::vector<int>& state) {
+                          std::vector<int>& state, bool* refused) {
   Channel& ch = *ce.channel;
   const int n = ce.size, me = ce.rank;
   const int64_t k = mine.k;
@@ -503,14 +872,16 @@ inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine
   all[me] = mine;
   state[me] = kHave;
   bool check = rt.check_enabled.load(std::memory_order_relaxed);
-  double limit = rt.timeout_seconds.load();
-  if (check && limit <= 0) limit = 60.0;
+  const double limit = TimeLimit(rt), warn = rt.warn_seconds.load();
   const int64_t start = NowNs();
   const int64_t deadline = limit > 0 ? start + static_cast<int64_t>(limit * 1e9) : 0;
+  const int root = (mine.flags & kUsesRoot) ? mine.root : -1;
   int waiting = n - 1;
-  int64_t nap_ns = 0;
+  int64_t nap_ns = 0, next_look = start + 100000000;
   Peek p{};
-  bool late = false;
+  bool late = false, warned = false;
+  RefusalSeen seen;
+  Refusal note{};
   while (waiting > 0 && !late) {
     bool progress = false;
     for (int q = 0; q < n && !late; ++q) {
@@ -534,42 +905,64 @@ inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine
         state[q] = kAhead;
       } else if (p.finalized) {
         state[q] = kFinalized;
+        Header h{};  // (gone since it refused this collective: its refusal says why)
+        if (ReadPresence(rt, ce, q, &h) && Refuses(h.refused, ce, k, c.op, root) &&
+            p.count == k - 1) {
+          state[q] = kRefused;
+          note = h.refused;
+          *refused = true;
+        }
       } else {
         continue;
       }
       --waiting;
       progress = true;
     }
+    if (*refused) break;
     if (waiting == 0) break;
-    double waited = (NowNs() - start) * 1e-9;
-    if (late || (limit > 0 && waited >= limit)) {  // (as the watchdog says, and where each rank is)
-      int world = 0, world_size = 0;
-      MPI_Comm_rank(MPI_COMM_WORLD, &world);
-      MPI_Comm_size(MPI_COMM_WORLD, &world_size);
-      char head_text[160];
-      std::snprintf(head_text, sizeof(head_text), "vjpmpi: timeout (%s=%g s): rank %d of %d has waited %.1f s in ",
-                    rt.timeout_seconds.load() > 0 ? "VJPMPI_TIMEOUT" : "VJPMPI_CHECK's limit",
-                    limit, world, world_size, waited);
-      const bool unread = std::find(state.begin(), state.end(), kUnread) != state.end();
-      std::string msg = head_text + (mine.site ? Site(rt, mine.site, c.op) : Describe(mine)) +
-                        ", on a communicator of " + std::to_string(n) + " ranks (rank " +
-                        std::to_string(me) + " there); " +
-                        (unread ? "MPI did not complete its read of another rank's entry"
-                                : "the other ranks did not join it") +
-                        " (it is their collective #" + std::to_string(k) + " there); each rank:" +
-                        Rows(rt, all, state, me);
-      const int64_t soon = NowNs() + 1000000000;  // (what arrives within a second)
-      for (int q = 0; q < n; ++q) {
+    const int64_t now = NowNs();
+    const double waited = (now - start) * 1e-9;
+    if (!late && now >= next_look) {  // a rank that refused this collective at trace time
+      next_look = now + 100000000;
+      for (int q = 0; q < n && !*refused; ++q) {
+        Header h{};
         bool gone = false;
-        if (state[q] != kWaiting) continue;
-        if (Read(ch, q, 0, &p, c.op, soon, &gone).empty() && !gone && p.count > 0 &&
-            Read(ch, q, p.count, &p, c.op, soon, &gone).empty() && !gone &&
-            p.entry.k == p.entry.k_end && p.entry.k > 0) {
-          msg += "\n  (rank " + std::to_string(q) + "'s last collective there: #" +
-                 std::to_string(p.entry.k) + ", " + Describe(p.entry) + ")";
+        if (state[q] != kWaiting || !ReadPresence(rt, ce, q, &h) ||
+            !Refuses(h.refused, ce, k, c.op, root)) {
+          continue;
+        }
+        // (one short of it: it has not run anything there since)
+        if (Read(ch, q, 0, &p, c.op, now + 1000000000, &gone).empty() && !gone &&
+            p.count == k - 1 && seen.Settled(q, h.refused, now)) {
+          state[q] = kRefused;
+          note = h.refused;
+          *refused = true;
         }
       }
-      AbortWith(msg, "");
+      if (*refused) break;
+    }
+    auto where = [&] {
+      return Waiting(mine.site ? Site(rt, mine.site, c.op) : Describe(mine), n, me, waited);
+    };
+    if (!warned && warn > 0 && waited >= warn && !late && !(limit > 0 && waited >= limit)) {
+      warned = true;
+      Warn(rt, where() + ", for the ranks' agreement on it (their collective #" +
+                   std::to_string(k) + " there: no data moves before every rank has "
+                   "published what it runs there); each rank:" +
+                   Places(rt, ch, all, state, me, c.op) + "\n" + StillWaiting(rt));
+    }
+    if (late || (limit > 0 && waited >= limit)) {  // (as the watchdog says, and where each rank is)
+      char head[64];
+      std::snprintf(head, sizeof(head), "vjpmpi: timeout (%s=%g s): ",
+                    rt.timeout_seconds.load() > 0 ? "VJPMPI_TIMEOUT" : "VJPMPI_CHECK's limit",
+                    limit);
+      const bool unread = std::find(state.begin(), state.end(), kUnread) != state.end();
+      AbortWith(head + where() + "; " +
+                    (unread ? "MPI did not complete its read of another rank's entry"
+                            : "the other ranks did not join it") +
+                    " (it is their collective #" + std::to_string(k) + " there); each rank:" +
+                    Places(rt, ch, all, state, me, c.op),
+                "");
     }
     if (!progress) {
       nap_ns = nap_ns == 0 ? 1000 : std::min<int64_t>(nap_ns * 2, 1000000);
@@ -580,6 +973,20 @@ inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine
       }
     }
   }
+  if (*refused) {  // (no barrier: the refusing rank never comes)
+    int q = static_cast<int>(std::find(state.begin(), state.end(), kRefused) - state.begin());
+    std::string error = RefusedError(q, note, "their collective #" + std::to_string(k) +
+                                                        " on a communicator of " +
+                                                        std::to_string(n) + " ranks; each rank:" +
+                                                        Rows(rt, all, state, me));
+    for (int r = 0; r < n; ++r) {
+      if (r != me && state[r] == kHave && !(all[r].flags & kVerifying)) {
+        AbortWith(error, ": some ranks cannot be told (they are inside the collective, having "
+                         "run their program before)");
+      }
+    }
+    return error;
+  }
   rt.verified.fetch_add(1, std::memory_order_relaxed);
 
   // the verdict, the same on every rank that compares (it sees the same entries)
@@ -587,7 +994,9 @@ inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine
   for (int q = 0; q < n; ++q) {
     if (q != me && !(state[q] == kHave && (all[q].flags & kVerifying))) all_told = false;
   }
-  std::string head = std::string("vjpmpi.") + c.op + ": ";
+  // (`agree`: a composite's check of its arguments, which each rank's note names)
+  const bool composite = std::strcmp(c.op, "agree") == 0;
+  std::string head = composite ? std::string("vjpmpi: ") : std::string("vjpmpi.") + c.op + ": ";
   std::string where = "on a communicator of " + std::to_string(n) + " ranks (their collective #" +
                       std::to_string(k) + " there)";
   std::string error;
@@ -613,6 +1022,10 @@ inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine
   if (error.empty() && differ) {
     std::string what = Differences(all, have);
     bool several = what.find(" and ") != std::string::npos;
+    if (composite && what == "shape") {
+      what = "the arguments";
+      several = true;
+    }
     error = head + (check ? "collective mismatch (VJPMPI_CHECK) " : "the ranks disagree ") +
             where + ": " + what + (several ? " differ" : " differs") +
             "; each rank was about to run:" + Rows(rt, all, state, me) +
@@ -659,11 +1072,11 @@ inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine
   return error;
 }
 
-// A communicator's window, opened at its first collective (collectively: every rank of
-// it runs that collective). The watchdog watches this, as it watches a collective.
-inline std::string EnsureChannel(Runtime& rt, CommEntry& ce, const char* op) {
+// A communicator's window, opened at its first collective `c` (collectively: every rank
+// of it runs that collective; AwaitOpening keeps its time).
+inline std::string EnsureChannel(Runtime& rt, CommEntry& ce, const Call& c) {
   if (ce.size <= 1 || ce.channel != nullptr) return {};
-  return OpenChannel(rt, ce, op);
+  return OpenChannel(rt, ce, &c);
 }
 
 // Before a collective's data moves: number and publish it; when this rank compares
@@ -686,6 +1099,7 @@ inline std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int6
   bool verifying = ce.mode != 0 || !invalid_message.empty();
   // Written in place (a few stores): what the other ranks read when they compare.
   Channel& ch = *ce.channel;
+  const uint64_t history_before = ce.history;
   const int64_t k = ++ce.count;
   Entry* s = ch.slot(k);
   __atomic_store_n(&s->k_end, 0, __ATOMIC_RELAXED);
@@ -696,8 +1110,10 @@ inline std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int6
   s->history = ce.history;
   s->sig = sig;
   s->site = c.site;
-  s->site_text[0] = '\0';
-  if (c.site) std::snprintf(s->site_text, sizeof(s->site_text), "%s", SiteText(rt, c.site).c_str());
+  s->site_text[0] = '\0';  // (read by the ranks that compare: a verified run leaves it out)
+  if (c.site && verifying) {
+    std::snprintf(s->site_text, sizeof(s->site_text), "%s", SiteText(rt, c.site).c_str());
+  }
   s->position = ++ce.position;
   if (!invalid_message.empty()) {
     s->flags |= kInvalid;
@@ -712,7 +1128,16 @@ inline std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int6
   const Entry mine = *s;
   std::vector<Entry> all;
   std::vector<int> state;
-  std::string e = Verify(rt, ce, c, mine, invalid_message, all, state);
+  bool refused = false;
+  std::string e = Verify(rt, ce, c, mine, invalid_message, all, state, &refused);
+  if (refused) {  // the refusing rank never published #k: neither did this one, now
+    __atomic_store_n(&s->k_end, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->k, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&ch.header()->count, k - 1, __ATOMIC_RELEASE);
+    ce.count = k - 1;
+    ce.history = history_before;
+    --ce.position;
+  }
   if (!e.empty()) return e;
   if (ce.mode == 1) {  // the first collective of a new program's run: aligned?
     bool aligned = mine.position == 1 && sig != 0;
@@ -731,9 +1156,125 @@ inline std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int6
 }
 
 // ------------------------------------------------------------ watchdog --
+// A call in flight, as the watchdog sees it.
+struct InFlight {
+  uint64_t key;   // its slot (< Runtime::kSlots), or kSlots + its Runtime::watched number
+  uint64_t call;  // its number there
+  const char* op;
+  int64_t site;
+  MPI_Comm comm;
+  CommEntry* entry;
+  int64_t k;
+  int peer;
+  int64_t start;  // when it started (0: not known; timed from when the watchdog sees it)
+};
+
+// What the watchdog remembers of a call between its looks.
+struct Seen {
+  uint64_t call = 0;
+  int64_t since = 0;
+  bool warned = false;
+  int64_t look = 0, every = 0;  // the next inspection, and the interval after it
+  RefusalSeen refusal;
+};
+
+// The calls in flight now: each slot's (what its thread published, read twice), and
+// Runtime::watched's.
+inline std::vector<InFlight> InFlightCalls(Runtime& rt) {
+  std::vector<InFlight> out;
+  const int used = rt.slots_used.load(std::memory_order_acquire);
+  for (int i = 0; i < used; ++i) {
+    WatchSlot& w = rt.slots[i];
+    const uint64_t call = w.call.load(std::memory_order_acquire);
+    if (call == 0) continue;
+    InFlight f{static_cast<uint64_t>(i), call, w.op.load(std::memory_order_relaxed),
+               w.site.load(std::memory_order_relaxed), w.comm.load(std::memory_order_relaxed),
+               w.entry.load(std::memory_order_relaxed), w.k.load(std::memory_order_relaxed),
+               w.peer.load(std::memory_order_relaxed), 0};
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (w.call.load(std::memory_order_relaxed) == call) out.push_back(f);
+  }
+  std::lock_guard<std::mutex> lock(rt.watch_mutex);
+  for (const auto& [id, w] : rt.watched) {
+    if (w.start == 0) continue;
+    out.push_back(InFlight{Runtime::kSlots + id, id, w.op, w.site, w.comm, nullptr, 0, -1, w.start});
+  }
+  return out;
+}
+
+// Where the other ranks of a call stuck in MPI are, read from their windows by this thread
+// (so only under MPI_THREAD_MULTIPLE, and not while a window is being freed): for
+// collective #k, the ranks that have not reached it (`report`: the text, else ""). A
+// rank that called MPI_Finalize before reaching it (a point-to-point call's peer: at all),
+// or refused it at trace time (a note that has stood for a second), ends the job: the
+// ranks inside the call cannot be told.
+inline std::string Inspect(Runtime& rt, const InFlight& c, Seen& seen, double waited,
+                           bool report) {
+  if (c.entry == nullptr || ThreadLevel() < MPI_THREAD_MULTIPLE) return {};
+  std::unique_lock<std::mutex> lock(rt.channel_mutex, std::try_to_lock);
+  if (!lock.owns_lock()) return {};
+  CommEntry& e = *c.entry;
+  const std::string what = Site(rt, c.site, c.op ? c.op : "?");
+  auto where = [&] { return "vjpmpi: " + Waiting(what, e.size, e.rank, waited); };
+  const char* cannot = " (the ranks inside the call cannot be told)";
+  if (c.k <= 0) {
+    Header h{};
+    if (c.peer >= 0 && ReadPresence(rt, e, c.peer, &h) && h.finalized) {
+      AbortWith(where() + "; rank " + std::to_string(c.peer) + ", its peer, has called "
+                "MPI_Finalize.", cannot);
+    }
+    return report && c.peer >= 0 ? " It waits for rank " + std::to_string(c.peer) + "." : "";
+  }
+  if (e.channel == nullptr) return {};
+  Channel& ch = *e.channel;
+  const Entry mine = *ch.slot(c.k);  // (this rank's entry #k, in its own window)
+  const int root = (mine.flags & kUsesRoot) ? mine.root : -1;
+  std::string behind;
+  int unknown = 0;
+  for (int q = 0; q < e.size; ++q) {
+    Peek p{};
+    bool late = false;
+    if (q == e.rank) continue;
+    if (!Read(ch, q, 0, &p, "watchdog", NowNs() + 1000000000, &late).empty() || late) {
+      ++unknown;
+      continue;
+    }
+    if (p.count >= c.k) continue;  // (in it, or past it)
+    const std::string k_text = "collective #" + std::to_string(c.k);
+    Header h{};
+    const bool refuses = p.count == c.k - 1 && ReadPresence(rt, e, q, &h) &&
+                         Refuses(h.refused, e, c.k, mine.op, root);
+    if (p.finalized && !refuses) {
+      AbortWith(where() + " (its " + k_text + " there); rank " + std::to_string(q) +
+                    " has called MPI_Finalize without running it.",
+                cannot);
+    }
+    if (refuses && (p.finalized || seen.refusal.Settled(q, h.refused, NowNs()))) {
+      AbortWith(RefusedError(q, h.refused, "their " + k_text + " on a communicator of " +
+                                                         std::to_string(e.size) + " ranks"),
+                cannot);
+    }
+    if (!report) continue;
+    behind += (behind.empty() ? "" : "; ") + std::string("rank ") + std::to_string(q);
+    if (p.count > 0 && Read(ch, q, p.count, &p, "watchdog", NowNs() + 1000000000, &late).empty() &&
+        !late && p.entry.k == p.entry.k_end && p.entry.k > 0) {
+      behind += " (its last collective there: #" + std::to_string(p.entry.k) + ", " +
+                Describe(p.entry) + ")";
+    } else if (p.count == 0) {
+      behind += " (no collective there yet)";
+    }
+  }
+  if (!report) return {};
+  std::string text = " It is their collective #" + std::to_string(c.k) + " there; ";
+  if (!behind.empty()) return text + "not there yet: " + behind + ".";
+  if (unknown > 0) return text + "where the other ranks are could not be read.";
+  return text + "every rank has reached it (a rank in it with another array, or a message "
+                "not matched?).";
+}
+
 // The end of a call that has waited past VJPMPI_TIMEOUT: the message, then the job ends.
 [[noreturn]] inline void TimedOut(Runtime& rt, const char* op, int64_t site, MPI_Comm comm,
-                                  double waited, double limit) {
+                                  double waited, double limit, const std::string& more) {
   int world = 0, size = 0, rank = -1, csize = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &world);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -745,8 +1286,8 @@ inline std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int6
   std::fprintf(stderr,
                "vjpmpi: timeout (VJPMPI_TIMEOUT=%g s): rank %d of %d has waited %.1f s in "
                "%s, on a communicator of %d ranks (rank %d there); the other ranks did not "
-               "join it. Aborting the job.\n",
-               limit, world, size, waited, where.c_str(), csize, rank);
+               "join it.%s Aborting the job.\n",
+               limit, world, size, waited, where.c_str(), csize, rank, more.c_str());
   std::fflush(stderr);
   // Give the launcher time to forward the message: when another rank has already
   // exited, mpiexec may tear the job down as soon as MPI_Abort starts and drop it.
@@ -755,37 +1296,102 @@ inline std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int6
   std::_Exit(3);
 }
 
-// The watchdog ends the job when any watched call has waited past the limit (the one
-// that has waited longest).
+// The watchdog: a call in flight (timed from its start, or from when this thread first
+// sees it) is inspected from its first second on (Inspect: every 1, 2, 4, then 5 s),
+// warned about once past VJPMPI_WARN_AFTER, and ends the job past VJPMPI_TIMEOUT (the
+// call that has waited longest).
 inline void Watchdog(Runtime* rtp) {
   Runtime& rt = *rtp;
+  std::unordered_map<uint64_t, Seen> seen;
+  constexpr int64_t kSecond = 1000000000;
   for (;;) {
-    double limit = rt.timeout_seconds.load();
-    auto nap = std::chrono::milliseconds(limit < 2.0 ? 20 : 100);
-    std::this_thread::sleep_for(nap);
-    if (limit <= 0) continue;
-    Runtime::Watch oldest{nullptr, 0, MPI_COMM_NULL, 0};
-    {
-      std::lock_guard<std::mutex> lock(rt.watch_mutex);
-      for (const auto& [id, w] : rt.watched) {
-        if (w.start != 0 && (oldest.start == 0 || w.start < oldest.start)) oldest = w;
-      }
+    const double limit = rt.timeout_seconds.load(), warn = rt.warn_seconds.load();
+    std::this_thread::sleep_for(std::chrono::milliseconds(limit > 0 && limit < 2.0 ? 20 : 100));
+    if (limit <= 0 && warn <= 0) {
+      seen.clear();
+      continue;
     }
-    if (oldest.start == 0) continue;
-    double waited = (NowNs() - oldest.start) * 1e-9;
-    if (waited < limit) continue;
-    TimedOut(rt, oldest.op, oldest.site, oldest.comm, waited, limit);
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (fin) continue;
+    const int64_t now = NowNs();
+    std::unordered_map<uint64_t, Seen> next;
+    const InFlight* longest = nullptr;
+    double longest_wait = -1;
+    std::vector<InFlight> calls = InFlightCalls(rt);
+    for (const InFlight& c : calls) {
+      auto it = seen.find(c.key);
+      Seen s = it != seen.end() && it->second.call == c.call ? it->second : Seen{};
+      if (s.call != c.call) {
+        s.call = c.call;
+        s.since = c.start != 0 ? c.start : now;
+        s.look = s.since + kSecond;
+        s.every = kSecond;
+      }
+      const double waited = (now - s.since) * 1e-9;
+      if (now >= s.look) {
+        Inspect(rt, c, s, waited, false);
+        s.look = now + s.every;
+        s.every = std::min<int64_t>(2 * s.every, 5 * kSecond);
+      }
+      if (!s.warned && warn > 0 && waited >= warn && !(limit > 0 && waited >= limit)) {
+        s.warned = true;
+        Warn(rt, Waiting(Site(rt, c.site, c.op ? c.op : "?"), c.entry ? c.entry->size : 0,
+                         c.entry ? c.entry->rank : -1, waited) +
+                     "." + Inspect(rt, c, s, waited, true) + StillWaiting(rt));
+      }
+      if (waited > longest_wait) {
+        longest_wait = waited;
+        longest = &c;
+      }
+      next[c.key] = s;
+    }
+    seen.swap(next);
+    if (longest != nullptr && limit > 0 && longest_wait >= limit) {
+      Seen s;
+      std::string more = Inspect(rt, *longest, s, longest_wait, true);
+      TimedOut(rt, longest->op, longest->site, longest->comm, longest_wait, limit, more);
+    }
   }
 }
 
 // One watchdog per runtime, whichever module configures it.
-inline void Configure(Runtime& rt, bool check, double timeout) {
+inline void Configure(Runtime& rt, bool check, double timeout, double warn) {
   rt.check_enabled.store(check);
   rt.timeout_seconds.store(timeout);
-  if (timeout > 0) {
+  rt.warn_seconds.store(warn);
+  if (timeout > 0 || warn > 0) {
     Runtime* p = &rt;
     std::call_once(rt.watchdog_started, [p] { std::thread(Watchdog, p).detach(); });
   }
+}
+
+// A collective refused at trace time on communicator `id` (vjpmpi.scatter's root, with
+// `root`; -1: an op without one), for the ranks that wait in it (Refusal, in this rank's
+// header of the default communicator's window). `op` "": this rank goes on with a call
+// on `id`, and the note goes if it is about a communicator of the same ranks (its Dups
+// share the group's hash); returns whether a note is left.
+inline bool NoteRefusal(Runtime& rt, int64_t id, const std::string& op, int root,
+                        const std::string& message) {
+  CommEntry* world = rt.world.load();
+  CommEntry* e = rt.comms.Get(id);
+  if (world == nullptr || world->channel == nullptr || e == nullptr) return false;
+  std::lock_guard<std::mutex> lock(rt.site_mutex);  // (one writer at a time)
+  Refusal& n = world->channel->header()->refused;
+  if (op.empty() && (n.k == 0 || n.group != e->group)) return n.k != 0;
+  __atomic_store_n(&n.serial_end, 0, __ATOMIC_RELAXED);
+  std::atomic_thread_fence(std::memory_order_release);
+  n.group = e->group;
+  n.k = op.empty() ? 0 : __atomic_load_n(&e->count, __ATOMIC_RELAXED) + 1;
+  n.root = root;
+  std::memset(n.op, 0, sizeof(n.op));
+  std::strncpy(n.op, op.c_str(), sizeof(n.op) - 1);
+  std::snprintf(n.message, sizeof(n.message), "%s", message.c_str());
+  const int64_t serial = ++rt.refusal_serial;
+  std::atomic_thread_fence(std::memory_order_release);
+  __atomic_store_n(&n.serial, serial, __ATOMIC_RELAXED);
+  __atomic_store_n(&n.serial_end, serial, __ATOMIC_RELEASE);
+  return n.k != 0;
 }
 
 }  // namespace vjpmpi
