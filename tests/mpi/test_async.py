@@ -523,6 +523,39 @@ def _in_chain_order(text, calls):
     return sorted(calls, key=lambda c: len([d for d in calls if d.name in anc(c.name)]))
 
 
+@pytest.mark.parametrize("where", ["allreduce_gradients", "sync_gradients",
+                                   "sharded_optimizer"])
+def test_bucket_bytes_that_differ_between_ranks_fail_saying_so(where):
+    """Rank 0 cuts its buckets at another `bucket_bytes` than the others: every rank
+    raises, saying that bucket_bytes differ and what each rank passed (it used to be the
+    first buckets' allreduce shapes); at one rank nothing can differ and it runs."""
+    net = _net()
+    x = jnp.ones((11, 9), jnp.float32)
+    cap = 400 if rank == 0 else 1200
+    run = {
+        "allreduce_gradients": lambda: jax.jit(lambda n: vjpmpi.nn.allreduce_gradients(
+            jax.grad(_loss)(n, x), bucket_bytes=cap))(net),
+        "sync_gradients": lambda: jax.jit(jax.grad(lambda n: _loss(
+            vjpmpi.nn.sync_gradients(n, bucket_bytes=cap), x)))(net),
+        "sharded_optimizer": lambda: _sharded_train(
+            vjpmpi.nn.sharded_optimizer(optax.sgd(0.1), bucket_bytes=cap), net, x, steps=1),
+    }[where]
+    if size == 1:
+        jax.block_until_ready(run())
+        return
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(run())
+    text = str(info.value)
+    assert re.search(r"vjpmpi: (the ranks disagree|collective mismatch \(VJPMPI_CHECK\)) on "
+                     rf"a communicator of {size} ranks \(their collective #\d+ there\): the "
+                     r"arguments differ", text), text
+    for r in range(size):
+        assert re.search(rf"\n  rank {r}: vjpmpi\.nn\.{where} with bucket_bytes="
+                         rf"{400 if r == 0 else 1200} \(every rank must pass the same "
+                         r"bucket_bytes\)", text), text
+    vjpmpi.barrier()  # (the ranks go on in step)
+
+
 @pytest.mark.parametrize("bad", [0, -5, 2.5, True])
 def test_bucket_bytes_must_be_positive(bad):
     net = _net()
@@ -560,23 +593,37 @@ def _sharded_train(opt, net, x, steps=4):
     return out
 
 
-def test_bucketed_sharded_optimizer_keeps_the_bits():
-    """ZeRO in buckets (the parameters of each bucket sharded over the ranks: a bucket
-    per leaf, and some leaves each) gives the bits of one shard per dtype, step after
-    step (SGD with momentum). (One shard per dtype equals plain data parallelism:
+def test_bucketed_sharded_optimizer_equals_unbucketed():
+    """ZeRO in buckets (the parameters of each bucket sharded over the ranks: a bucket per
+    leaf, and some leaves each) against one shard per dtype, step after step, on
+    rank-dependent data: the gradients each rank reduces and gathers back (an optimizer
+    that passes them through) are the same bits; adam's steps agree to the last bits of the optimizer's arithmetic, which XLA rewrites
+    depending on how a leaf's part sits in the compiled step (a constant folded into a
+    multiply, a division by a shared float32 scalar turned into a multiply by its
+    reciprocal, a multiply and an add fused into an FMA: a few float32 ulp per step; a
+    float64 leaf's adam step 5e-11 apart at 3 ranks, optax's scalars being float32). A
+    part laid out wrongly would move by a step's size (1e-2 here). (One shard per dtype equals plain data parallelism:
     tests/mpi/test_nn_optim.py.)"""
     net = _net()
     x = jnp.asarray(rng(6).standard_normal((11, 9)).astype(np.float32))  # this rank's data
-    sgd = lambda: optax.sgd(0.05, momentum=0.9)  # noqa: E731
-    whole = _sharded_train(vjpmpi.nn.sharded_optimizer(sgd()), net, x)
-    for bucket_bytes in BUCKETS[:2]:
-        got = _sharded_train(vjpmpi.nn.sharded_optimizer(sgd(), bucket_bytes=bucket_bytes),
-                             net, x)
-        assert len(got) == len(whole) == 4
-        for k, (a, b) in enumerate(zip(got, whole, strict=True)):
-            assert len(a) == len(b) == 9
-            for j, (u, v) in enumerate(zip(a, b, strict=True)):
-                assert np.asarray(u).tobytes() == np.asarray(v).tobytes(), (bucket_bytes, k, j)
+    inners = {"identity": optax.identity, "adam": lambda: optax.adam(1e-2)}
+    for name, inner in inners.items():
+        whole = _sharded_train(vjpmpi.nn.sharded_optimizer(inner()), net, x)
+        for bucket_bytes in BUCKETS[:2]:
+            got = _sharded_train(vjpmpi.nn.sharded_optimizer(inner(), bucket_bytes=bucket_bytes),
+                                 net, x)
+            assert len(got) == len(whole) == 4
+            for k, (a, b) in enumerate(zip(got, whole, strict=True)):
+                assert len(a) == len(b) == 9
+                for j, (u, v) in enumerate(zip(a, b, strict=True)):
+                    u, v = np.asarray(u), np.asarray(v)
+                    if name == "identity":  # (the bits vjpmpi moves)
+                        assert u.tobytes() == v.tobytes(), (name, bucket_bytes, k, j)
+                    else:  # (optax's scalars, such as adam's bias corrections, are float32
+                        # whatever the leaf's dtype: a float64 leaf's step has their error)
+                        tol = 1e-8 if u.dtype == np.float64 else 2e-6
+                        np.testing.assert_allclose(u, v, rtol=tol, atol=tol,
+                                                   err_msg=f"{name}, {bucket_bytes}, step {k}")
 
 
 def _rs_elements(text, name):

@@ -174,7 +174,7 @@ REFUSED = {
     "clip_by_block_rms": (lambda: optax.chain(optax.clip_by_block_rms(1.0), optax.sgd(0.1)),
                           "mixes the elements"),
     "shape-dependent": (lambda: optax.chain(by_rank(None), optax.sgd(0.1)),
-                        "differs from its step on the whole parameters"),
+                        "depends on the parameters' sizes"),
 }
 
 
@@ -187,6 +187,32 @@ def test_optimizers_that_mix_elements_are_refused_at_init(name):
     with pytest.raises(ValueError, match=r"vjpmpi\.nn\.sharded_optimizer: the optimizer cannot "
                        r"run on shards of the parameters exactly as on all of them: .*" + why):
         opt.init(params)
+
+
+def test_a_mask_by_leaf_size_is_refused_where_a_shard_would_see_another():
+    """A mask decided in Python from a leaf's size (weight decay on leaves of at least 6
+    elements): an 8-element leaf, whose parts on 2 or more ranks have fewer, would lose
+    its decay on every rank with no error (each element moved by -0.0015 instead of
+    optax's -0.0065 ... -0.0415). `init` refuses it on every rank, whichever rank's shard
+    differs; on one rank (the whole leaf) it runs and equals optax."""
+    opt = optax.chain(optax.add_decayed_weights(
+        0.5, mask=lambda p: jax.tree_util.tree_map(lambda a: a.size >= 6, p)), optax.sgd(0.1))
+    params = {"w": jnp.arange(1.0, 9.0), "b": jnp.ones(3)}
+    grads = {"w": jnp.full(8, 0.01 * (rank + 1)), "b": jnp.full(3, 0.02 * (rank + 1))}
+    sharded = vnn.sharded_optimizer(opt)
+    if size > 1:
+        with pytest.raises(ValueError, match=r"vjpmpi\.nn\.sharded_optimizer: the optimizer "
+                           r"cannot run on shards .*: its update traced on rank \d+'s shard of "
+                           r"them is another computation than on the whole parameters: it "
+                           r"depends on the parameters' sizes"):
+            sharded.init(params)
+        return
+    got, _ = sharded.update(grads, sharded.init(params), params)
+    want, _ = opt.update(vnn.allreduce_gradients(grads), opt.init(params), params)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(want["w"]), -0.1 * (0.01 + 0.5 * np.arange(1, 9)),
+                               rtol=1e-6)  # (the decay acts on the whole leaf)
 
 
 def decay_matrices():  # weight decay on matrices only: a mask by number of axes

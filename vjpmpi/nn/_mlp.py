@@ -8,12 +8,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from mpi4py import MPI
 
 from .._mpi import RED_NAMES, SUM, CommRef, as_comm
 from .._ops import allreduce, use_replicated
 from ._linear import ColumnParallelLinear, RowParallelLinear
 from ._sequence import gather_sequence, replicated, scatter_sequence_sum
-from ._shard import bucket_bytes_arg, buckets, comm_ref, concat, dtype_groups, split_into
+from ._shard import agree_on_buckets, bucket_bytes_arg, buckets, comm_ref, concat, dtype_groups, split_into
 
 
 def _identity(x):
@@ -141,7 +142,7 @@ class ParallelMLP(eqx.Module):
 
 
 def allreduce_gradients(grads: PyTree, *, mean: bool = True, bucket_bytes: int | None = None,
-                        comm=None) -> PyTree:
+                        comm: MPI.Comm | None = None) -> PyTree:
     """All-reduce (mean or sum) every inexact-array leaf of `grads` over `comm`.
 
     Leaves of one dtype are flattened into one buffer, so a pytree of any number of
@@ -151,10 +152,27 @@ def allreduce_gradients(grads: PyTree, *, mean: bool = True, bucket_bytes: int |
     result is the same bit for bit either way (where MPI's sum does not depend on the
     message size: tests/mpi/test_async.py checks it at 1-4 ranks). Non-array leaves pass through unchanged.
     Works on gradients from `eqx.filter_grad` and as a step before `optax` updates.
+
+    Args:
+        grads: a pytree (gradients).
+        mean: divide the sum by the communicator's size.
+        bucket_bytes: one allreduce per run of at most this many bytes (None: one per
+            dtype); the same on every rank.
+        comm: the communicator (None: vjpmpi's default).
+
+    Returns:
+        `grads` with every inexact-array leaf reduced over the ranks.
+
+    Raises:
+        ValueError: a `bucket_bytes` that is not a positive int; when run, ranks whose
+            `bucket_bytes` differ fail together, saying so.
+
+    Shape: the pytree -> the same pytree.
     Transpose: allreduce(SUM) (scaled by 1/size for the mean).
     """
     ref = as_comm(comm, "nn.allreduce_gradients")
     cap = bucket_bytes_arg(bucket_bytes, "allreduce_gradients")
+    agree_on_buckets(ref, cap, "allreduce_gradients")
     leaves, treedef, groups = dtype_groups(grads)
     out = list(leaves)
     for bucket in buckets(leaves, groups, cap):
@@ -182,7 +200,7 @@ def _bucket_sync(comm, size: int, mean: bool):
 
 
 def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None = 25 << 20,
-                   comm=None) -> PyTree:
+                   comm: MPI.Comm | None = None) -> PyTree:
     """`model` unchanged, whose gradient comes back all-reduced over `comm` (mean or sum),
     bucket by bucket inside the backward pass: data-parallel training whose gradient sync
     overlaps the rest of the backward pass (as PyTorch DDP's `bucket_cap_mb`).
@@ -196,11 +214,27 @@ def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None
     asynchronous threshold (by default 64 KiB on a communicator across nodes:
     vjpmpi.async_threshold) travels while the backward pass goes on. The gradient
     equals `allreduce_gradients` of the local gradient, bit for bit.
+
+    Args:
+        model: a pytree (the parameters, as the loss uses them).
+        mean: divide the gradient's sum by the communicator's size.
+        bucket_bytes: the most bytes of one bucket (None: one per dtype); the same on
+            every rank.
+        comm: the communicator (None: vjpmpi's default).
+
+    Returns:
+        `model` unchanged, with the gradient sync on its derivative.
+
+    Raises:
+        ValueError: a `bucket_bytes` that is not a positive int; when run, ranks whose
+            `bucket_bytes` differ fail together, saying so.
+
     Shape: the identity on the pytree.
     Transpose: allreduce(SUM) of each bucket's cotangent (scaled by 1/size for the mean).
     """
     ref = as_comm(comm, "nn.sync_gradients")
     cap = bucket_bytes_arg(bucket_bytes, "sync_gradients")
+    agree_on_buckets(ref, cap, "sync_gradients")
     leaves, treedef, groups = dtype_groups(model)
     out = list(leaves)
     sync = _bucket_sync(ref.comm, ref.size, mean)

@@ -8,13 +8,17 @@ addresses leaves by position, label or number of axes (`optax.masked`,
 `multi_transform`, weight decay on matrices only) works as on the whole tree. What the
 optimizer does to those parts must not depend on the elements it does not see:
 `_refusal` traces its update and refuses any computation that mixes the elements of a
-parameter-shaped array (a reduction, a norm, a reshape, ...), then compares a few steps
-on shards with steps on the whole tree (of the same structure, with small shapes) for
-updates that depend on shapes. The verdict is computed alike on every rank (from shapes
-and fixed probe data), so every rank refuses together.
+parameter-shaped array (a reduction, a norm, a reshape, ...), compares the computation
+traced on every rank's shards with the one traced on the whole tree (a mask or constant
+decided in Python from a leaf's size changes it), then compares a few steps on shards
+with steps on the whole tree (of the same structure, with small shapes). The verdict is
+computed alike on every rank (from shapes and fixed probe data), so every rank refuses
+together.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +27,11 @@ import numpy as np
 from .._jax_compat import jaxprs_in_params
 from .._mpi import RED_NAMES, SUM
 from .._ops import allgather, reduce_scatter
-from ._shard import bucket_bytes_arg, buckets, comm_ref, concat, split_into
+from ._shard import agree_on_buckets, bucket_bytes_arg, buckets, comm_ref, concat, split_into
+
+if TYPE_CHECKING:  # (optax: the caller's; vjpmpi does not depend on it)
+    import optax
+    from mpi4py import MPI
 
 # Primitives that act element by element (scalars broadcast): what an update may apply to
 # parameter-shaped arrays.
@@ -79,13 +87,16 @@ class _Layout:
                 out[i] = jnp.ravel(leaves[i])[lo:hi].reshape(self.shape(i, r))
         return jax.tree_util.tree_unflatten(self.treedef, out)
 
-    def abstract_shards(self, r: int):
-        """The shapes of `shards(tree, r)` (ShapeDtypeStruct leaves), nothing computed."""
+    def abstract_shards(self, r: int, empty_as_whole: bool = False):
+        """The shapes of `shards(tree, r)` (ShapeDtypeStruct leaves), nothing computed
+        (`empty_as_whole`: a leaf with no elements there keeps its whole shape)."""
         out = [jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)) if hasattr(a, "dtype")
                else a for a in self.leaves]
         for idx in self.groups.values():
             for i in idx:
-                out[i] = jax.ShapeDtypeStruct(self.shape(i, r), out[i].dtype)
+                shape = self.shape(i, r)
+                if not (empty_as_whole and 0 in shape):
+                    out[i] = jax.ShapeDtypeStruct(shape, out[i].dtype)
         return jax.tree_util.tree_unflatten(self.treedef, out)
 
     def from_block(self, block, name: int, r: int, out: list) -> None:
@@ -127,6 +138,41 @@ def _mixing(jaxpr) -> str | None:
     return None
 
 
+def _program(jaxpr) -> tuple:
+    """What `jaxpr` computes, without its arrays' sizes: each equation's primitive, its
+    operands (variables by their order of appearance, literals by value), its parameters
+    (nested jaxprs likewise; a `shape` as its number of axes) and its results' dtypes and
+    numbers of axes. An update traced on arrays of other sizes gives the same program
+    unless it depends on the sizes (a mask or a constant decided in Python from a shape)."""
+    names: dict = {}
+
+    def var(v):
+        if hasattr(v, "val"):  # a literal
+            return ("lit", repr(np.asarray(v.val).tolist()), str(v.aval.dtype))
+        if id(v) not in names:
+            names[id(v)] = len(names)
+        aval = v.aval
+        return (names[id(v)], str(getattr(aval, "dtype", "")), len(getattr(aval, "shape", ())))
+
+    def value(key, v):
+        if hasattr(v, "eqns"):
+            return _program(v)
+        if hasattr(v, "jaxpr") and hasattr(v, "consts"):
+            return (_program(v.jaxpr), len(v.consts))
+        if isinstance(v, (tuple, list)) and any(hasattr(u, "eqns") or hasattr(u, "jaxpr")
+                                                for u in v):
+            return tuple(value(key, u) for u in v)
+        if key == "shape" and isinstance(v, tuple):
+            return ("axes", len(v))
+        return repr(v)
+
+    head = tuple(var(v) for v in (*jaxpr.constvars, *jaxpr.invars))
+    body = tuple((eqn.primitive.name, tuple(var(v) for v in eqn.invars),
+                  tuple(sorted((k, value(k, v)) for k, v in eqn.params.items())),
+                  tuple(var(v) for v in eqn.outvars)) for eqn in jaxpr.eqns)
+    return head, body, tuple(var(v) for v in jaxpr.outvars)
+
+
 def _proxy(tree):
     """`tree` with every array leaf replaced by one of the same dtype and number of axes,
     each axis at most 3 long, drawn from a fixed seed (the same on every rank)."""
@@ -147,7 +193,20 @@ def _refusal(inner, params, size: int, cap: int | None = None) -> str | None:
         lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)) if hasattr(a, "dtype")
         else a, params)
     layout = _Layout(abstract, size, cap)
-    for what, tree in [("the parameters", abstract), ("a shard of them", layout.abstract_shards(0))]:
+    # the whole tree, then each rank's shards (every rank traces every rank's, so that all
+    # decide alike), each distinct layout of shapes once; a leaf with no elements in a
+    # rank's block keeps its whole shape there (what it computes on none does not matter,
+    # and JAX traces some operations on empty arrays differently)
+    trees = {"the parameters": abstract}
+    seen = set()
+    for r in range(size):
+        shards = layout.abstract_shards(r, empty_as_whole=True)
+        key = tuple(np.shape(a) for a in jax.tree_util.tree_leaves(shards))
+        if key not in seen:
+            seen.add(key)
+            trees[f"rank {r}'s shard of them"] = shards
+    whole = None
+    for what, tree in trees.items():
         try:
             state = jax.eval_shape(inner.init, tree)
             jaxpr = jax.make_jaxpr(inner.update)(tree, state, tree)
@@ -157,6 +216,13 @@ def _refusal(inner, params, size: int, cap: int | None = None) -> str | None:
         if found:
             return (f"its update mixes the elements of a parameter ({found}, traced on "
                     f"{what}), e.g. a global or per-leaf norm, a factored second moment")
+        program = _program(jaxpr.jaxpr)
+        if whole is None:
+            whole = program
+        elif program != whole:
+            return (f"its update traced on {what} is another computation than on the whole "
+                    "parameters: it depends on the parameters' sizes or shapes (e.g. a mask "
+                    "or a constant computed from a leaf's size)")
     # element-wise: does it also compute the same on shards? (shape-dependent code)
     with jax.ensure_compile_time_eval():  # (init may be traced under jit: probe now)
         return _differs(inner, params, size)
@@ -187,13 +253,15 @@ def _differs(inner, params, size: int) -> str | None:
                     if not np.allclose(got, want, rtol=1e-5, atol=1e-12 * (1 + np.abs(want).max(initial=0))):
                         return ("its step on a shard differs from its step on the whole "
                                 f"parameters (leaf {i}, step {k + 1}): it depends on the "
-                                "parameters' shapes")
+                                "parameters' sizes or shapes")
     except Exception as err:  # noqa: BLE001
         return f"its update failed on a shard of the parameters ({err!r})"
     return None
 
 
-def sharded_optimizer(inner, *, mean: bool = True, bucket_bytes: int | None = None, comm=None):
+def sharded_optimizer(inner: optax.GradientTransformation, *, mean: bool = True,
+                      bucket_bytes: int | None = None,
+                      comm: MPI.Comm | None = None) -> optax.GradientTransformation:
     """Wrap an optax optimizer so that each rank keeps and updates 1/size of its state.
 
     ZeRO stages 1 and 2 for data parallelism: `update` reduce-scatters the ranks' local
@@ -209,8 +277,27 @@ def sharded_optimizer(inner, *, mean: bool = True, bucket_bytes: int | None = No
     for step, for any `inner` that treats each element on its own (sgd, momentum, adam,
     adamw, lion, rmsprop, ..., `masked`, `multi_transform`, weight decay masked by tree
     or by number of axes); `init` refuses, on every rank, one whose update mixes elements
-    (`clip_by_global_norm`, `adafactor`, `lamb`, per-leaf clipping) or depends on the
-    parameters' shapes, saying why.
+    (`clip_by_global_norm`, `adafactor`, `lamb`, per-leaf clipping) or computes another
+    thing on some rank's shards than on the whole parameters (a mask or a constant
+    decided from a leaf's size), saying why.
+
+    Args:
+        inner: an optax `GradientTransformation` that treats each element on its own.
+        mean: average the ranks' gradients (else sum them).
+        bucket_bytes: cut each dtype's gradients into buckets of at most this many
+            bytes (None: one bucket per dtype); the same on every rank.
+        comm: the data-parallel communicator (None: vjpmpi's default).
+
+    Returns:
+        An optax `GradientTransformation`: `init(params)` (this rank's 1/size of
+        `inner`'s state) and `update(grads, state, params=None)`.
+
+    Raises:
+        ValueError: from `init` or `update`, on every rank, for an `inner` that cannot
+            run on shards exactly as on the whole parameters (saying why), or a
+            `bucket_bytes` that is not a positive int; when run, ranks whose
+            `bucket_bytes` differ fail together, saying so.
+
     Shape: local gradients (a pytree) -> replicated updates (the same pytree).
     Transpose: (not differentiated) one reduce_scatter and one allgather per bucket.
     """
@@ -238,6 +325,7 @@ def sharded_optimizer(inner, *, mean: bool = True, bucket_bytes: int | None = No
 
     def update(grads, state, params=None):
         layout = layout_of(grads)
+        agree_on_buckets(ref, cap, "sharded_optimizer")
         leaves = layout.leaves
         parts = list(leaves)
         for name, idx in layout.groups.items():

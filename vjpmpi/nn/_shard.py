@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._mpi import CommRef, as_comm
-from .._ops import allgather
+from .._ops import agree_on, allgather
 
 
 def comm_ref(comm, layer: str) -> CommRef:
@@ -62,6 +62,16 @@ def bucket_bytes_arg(value, op: str) -> int | None:
         return value
     raise ValueError(f"vjpmpi.nn.{op}: `bucket_bytes` must be a positive int or None, "
                      f"got {value!r}")
+
+
+def agree_on_buckets(ref: CommRef, cap: int | None, op: str) -> None:
+    """Every rank of `ref` cuts its buckets at the same `bucket_bytes` (`cap`): ranks that
+    pass different ones fail together here, saying so, instead of at their first bucket's
+    collective (a collective with no data, compared once per program)."""
+    if cap is not None and ref.size > 1:
+        agree_on((cap,), jnp.uint8, ref.comm, f"nn.{op}",
+                 note=f"vjpmpi.nn.{op} with bucket_bytes={cap} (every rank must pass the "
+                      "same bucket_bytes)")
 
 
 def buckets(leaves, groups, cap: int | None) -> list[list[int]]:
