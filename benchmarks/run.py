@@ -231,6 +231,31 @@ def report(m, g, g_why):
     check("agreement: the first call of a new program within 50 us (comparison + signature)",
           f"{us(first):.1f} us", first <= 50e-6)
 
+    w = m["watchdog"]
+    text += ["## Cost of the watchdog's default, and of the point-to-point check", "",
+             "The watchdog warns about a call stuck past VJPMPI_WARN_AFTER (60 s by default): "
+             "each call in flight is written in its thread's watch slot (a few stores, no "
+             "clock), and the watchdog's thread reads the slots every 0.1 s. `on`/`off`: the "
+             "same programs timed in turn with the default and with VJPMPI_WARN_AFTER=0 "
+             "(switched through `configure`, which every call reads). The point-to-point "
+             "check (VJPMPI_CHECK's header before each message, which would catch a message "
+             "of another dtype with the same number of elements) on a sendrecv ring of 1 "
+             "float, each rank sending one message and receiving one per exchange, timed in "
+             "turn with it off and on.", "",
+             table(["figure", "us"], [
+                 ["jitted call with one allreduce of 1 float, watchdog on", us(w["call_on"])],
+                 ["the same, off", us(w["call_off"])],
+                 ["fori_loop allreduce of 1 float, per op, watchdog on", us(w["fori_on"])],
+                 ["the same, off", us(w["fori_off"])],
+                 ["fori_loop sendrecv ring of 1 float, per exchange, check off",
+                  us(w["ring_check_off"])],
+                 ["the same, check on (a header before each message)", us(w["ring_check_on"])]]),
+             ""]
+    check("watchdog's default: a jitted call with one allreduce within 2% of no watchdog",
+          f"{w['call_on'] / w['call_off']:.3f}x", w["call_on"] <= 1.02 * w["call_off"])
+    check("watchdog's default: fori_loop allreduce per op within 2% of no watchdog",
+          f"{w['fori_on'] / w['fori_off']:.3f}x", w["fori_on"] <= 1.02 * w["fori_off"])
+
     c = m["check"]
     lat16 = next(r for r in m["latency"] if r["elements"] == 16)
     big = next((r for r in m["bandwidth"] if r["op"] == "allreduce" and r["MiB"] == c["MiB"]),

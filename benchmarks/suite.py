@@ -235,6 +235,7 @@ def main_part(quick):
                                 "per_call": (time.perf_counter() - t0) / calls_m}
 
     out["agreement"] = agreement_cost(quick)
+    out["watchdog"] = watchdog_cost(quick)
 
     # other small ops
     nxt, prv = (RANK + 1) % SIZE, (RANK - 1) % SIZE
@@ -407,6 +408,50 @@ def agreement_cost(quick):
             "fori_on": t["fori_on"] / n, "fori_off": t["fori_off"] / n,
             "first_run": float(np.median(first)), "next_run": float(np.median(again)),
             "signature": signature, "window": float(np.median(opened))}
+
+
+def watchdog_cost(quick):
+    """What the watchdog's default costs per call, and what VJPMPI_CHECK's header costs a
+    point-to-point message, each through `configure` (the settings every call reads when
+    it runs) switched in turn within each repetition: a jitted call with one allreduce of
+    1 float and a fori_loop of them with the watchdog on (its default warning: each call
+    in flight written in its thread's slot) and off (VJPMPI_WARN_AFTER=0); a fori_loop
+    of sendrecv exchanges of 1 float (a ring) with the check off and on (a header message
+    before each message)."""
+    import vjpmpi
+    import jax
+    import jax.numpy as jnp
+    from vjpmpi import _kernels
+
+    reps, n = (5, 200) if quick else (21, 2000)
+    x = jnp.ones(1, jnp.float32)
+    nxt, prv = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+    one = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
+    loop = fori(lambda c: vjpmpi.allreduce(c, MPI.SUM) * (1.0 / SIZE), n)
+    ring = fori(lambda c: vjpmpi.sendrecv(c, c, prv, nxt, sendtag=0, recvtag=0), n)
+    for f in (one, loop, ring):
+        jax_block(f(x))
+    default = (_kernels.CHECK, _kernels.TIMEOUT, _kernels.WARN_AFTER)
+
+    def switched(check, warn, fn):
+        def run():
+            _kernels.cpu.configure(check, 0.0, warn)
+            try:
+                fn()
+            finally:
+                _kernels.cpu.configure(*default)
+        return run
+
+    warn = _kernels.WARN_AFTER_DEFAULT
+    t = interleaved({
+        "call_on": switched(False, warn, repeat(lambda: jax_block(one(x)), n)),
+        "call_off": switched(False, 0.0, repeat(lambda: jax_block(one(x)), n)),
+        "fori_on": switched(False, warn, lambda: jax_block(loop(x))),
+        "fori_off": switched(False, 0.0, lambda: jax_block(loop(x))),
+        "ring_check_off": switched(False, warn, lambda: jax_block(ring(x))),
+        "ring_check_on": switched(True, warn, lambda: jax_block(ring(x))),
+    }, reps)
+    return {k: v / n for k, v in t.items()}
 
 
 def backward_cost(f, x, fwd_op, adj_ops, quick):

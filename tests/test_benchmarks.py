@@ -74,7 +74,12 @@ def test_benchmark_suite_smoke(tmp_path):
     assert all(r[k] > 0 for r in pipe["measured"] for k in ("alone", "gpipe", "1f1b"))
     assert [(t["stages"], t["micro"]) for t in pipe["tables"]] == [
         (2, 2), (2, 8), (4, 4), (4, 16), (8, 8), (8, 32)]
+    # the watchdog's default and the point-to-point check, each on and off in turn
+    assert set(main["watchdog"]) == {"call_on", "call_off", "fori_on", "fori_off",
+                                     "ring_check_off", "ring_check_on"}
+    assert all(v > 0 for v in main["watchdog"].values())
     text = (tmp_path / "results.md").read_text()
+    assert "## Cost of the watchdog's default, and of the point-to-point check" in text
     assert "## Nonlinear derivatives" in text and "## Peak memory" in text
     assert "## Distributed FFT" in text
     assert "## Network path: shared memory off" in text
