@@ -502,8 +502,23 @@ def gather(x, root, *, comm=None):
     return y
 
 
-def scatter(x, root, *, comm=None):
+def scatter(x, root, *, comm=None) -> jax.Array:
     """Send block `r` of `root`'s `x` to rank `r`.
+
+    Args:
+        x (ArrayLike): on `root`, the blocks stacked on a leading axis of the
+            communicator's size; elsewhere a template of one block's shape and dtype.
+        root (int): the rank that sends.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's default).
+
+    Returns:
+        This rank's block.
+
+    Raises:
+        ValueError: on `root`, at trace time, for an `x` without that leading axis (only
+            the root can check it: the ranks that wait in the scatter for it stop with
+            the same message), or a `root` outside the communicator.
+        TypeError: an argument of the wrong type or dtype.
 
     Shape: on `root` `(size, *s)` -> `s`; elsewhere `x` is an `s`-shaped template -> `s`.
     Transpose: gather onto `root`.
