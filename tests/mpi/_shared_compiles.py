@@ -58,8 +58,13 @@ class SharedCache:
                 continue
             os.write(fd, str(os.getpid()).encode())
             os.close(fd)
-            self._held.lock = lock  # released when this compile returns (release())
-            return None
+            try:  # (the owner may have written it and let go between the two looks)
+                value = entry.read_bytes()
+            except FileNotFoundError:
+                self._held.lock = lock  # released when this compile returns (release())
+                return None
+            lock.unlink(missing_ok=True)
+            return value
 
     def put(self, key: str, value: bytes) -> None:
         entry = self._entry(key)
