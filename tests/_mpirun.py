@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,11 +92,13 @@ class Run:
 
 class Job:
     """`python argv...` started on `nprocs` ranks; `result()` waits for it (the whole job
-    is killed `timeout` s after its start), `kill()` ends it now."""
+    is killed `timeout` s after its start), `kill()` ends it now; `started` and `ended` are
+    its start and end on `time.monotonic()`'s clock (`ended` is set once it has ended)."""
 
     def __init__(self, nprocs: int, argv: list[str], timeout: float, env: dict | None = None,
                  hosts: str | None = None):
         self.nprocs, self.timeout = nprocs, timeout
+        self.started, self.ended = time.monotonic(), None
         full_env = {**os.environ, **RANK_ENV, **(env or {})}
         self.proc = subprocess.Popen(
             [*launch(nprocs, hosts), sys.executable, *argv], cwd=TESTS, env=full_env,
@@ -115,6 +118,7 @@ class Job:
             self.kill()
             out, _ = self.proc.communicate()
             self._run = Run(self.nprocs, None, out, True)
+        self.ended = time.monotonic()
 
     def result(self) -> Run:
         self._reader.join()
