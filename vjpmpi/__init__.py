@@ -27,6 +27,11 @@ from ._ops import send as send  # noqa: E402
 from ._ops import sendrecv as sendrecv  # noqa: E402
 from ._ops import sum_replicated as sum_replicated  # noqa: E402
 from ._ops import use_replicated as use_replicated  # noqa: E402
+from ._ragged import allgatherv as allgatherv  # noqa: E402
+from ._ragged import alltoallv as alltoallv  # noqa: E402
+from ._ragged import gatherv as gatherv  # noqa: E402
+from ._ragged import ragged_alltoall as ragged_alltoall  # noqa: E402
+from ._ragged import scatterv as scatterv  # noqa: E402
 from ._composite import ordered_collective as ordered_collective  # noqa: E402
 from ._split import Pending as Pending  # noqa: E402
 from ._split import start as start  # noqa: E402

@@ -76,6 +76,11 @@ class Collective:
       a collective of every rank: it takes no part in the ranks' agreement on collectives.
     - `refuse_derivative`: `params -> None, or why` these parameters have no derivative
       (a receive from `MPI.ANY_SOURCE`): the tangent op is then bound refused (see `bind`).
+    - `block`: `(params, in_avals) -> tuple`, what the ranks agree on as the per-rank
+      block, where it is not operand 0's shape (less its rank axis).
+    - `batch`: `(prim, args, dims, params) -> (outs, out_dims)`, a batching rule of the
+      op's own, where moving the batch axis into each rank's block is not it.
+    - `host_only`: the kernel exists for host memory only (no CUDA handler yet).
     """
 
     name: str
@@ -90,6 +95,9 @@ class Collective:
     nonlinear_jvp: Callable | None = None
     point_to_point: bool = False
     refuse_derivative: Callable[[dict], str | None] = lambda params: None
+    block: Callable | None = None
+    batch: Callable | None = None
+    host_only: bool = False
 
     def ffi_target(self) -> str | None:
         return self.name if self.target == "" else self.target
@@ -267,7 +275,10 @@ def _item(spec: "Collective", eqn) -> tuple:
     name = _DTYPE_NAMES.get(aval.dtype)
     if name is None:
         name = _DTYPE_NAMES[aval.dtype] = str(aval.dtype)
-    shape = aval.shape[1:] if spec.rank_axis(params)[0] else aval.shape
+    if spec.block is not None:
+        shape = spec.block(params, [v.aval for v in eqn.invars])
+    else:
+        shape = aval.shape[1:] if spec.rank_axis(params)[0] else aval.shape
     return (spec.name, detail, name, tuple(shape))
 
 
@@ -402,6 +413,10 @@ def _chain_start(ctx, spec: Collective):
             f"vjpmpi.{spec.name}: vjpmpi has no {_BACKEND_NAMES.get(other, other)} backend "
             "(it has CPU and CUDA ones), so a program with collectives cannot be compiled for "
             f"{_BACKEND_NAMES.get(other, other)}")
+    if "cuda" in platforms and spec.host_only:
+        raise NotImplementedError(
+            f"vjpmpi.{spec.name}: has no CUDA kernel yet (host memory only), so a program "
+            "with it cannot be compiled for a GPU; run it on the CPU backend")
     if "cuda" in platforms and _kernels.cuda is None:
         raise NotImplementedError(
             f"vjpmpi.{spec.name}: vjpmpi was built without its CUDA backend (no CUDA toolkit "
@@ -426,6 +441,8 @@ _BACKEND_NAMES = {"rocm": "ROCm", "tpu": "TPU", "METAL": "Metal"}
 
 # ------------------------------------------------------------- batching --
 def _batch(prim, spec: Collective, args, dims, **params):
+    if spec.batch is not None:
+        return spec.batch(prim, args, dims, params)
     # The batch axis goes to one fixed place, first within each rank's block, whatever
     # this rank's batching (axes, unbatched operands): the buffers MPI pairs across
     # ranks must have one layout on every rank, and another rank may batch differently.

@@ -26,6 +26,7 @@
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
 #include "vjpmpi_mpi.h"
+#include "vjpmpi_ragged.h"
 #include "vjpmpi_runtime.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -620,6 +621,91 @@ VJPMPI_DEFINE(kHold, HoldImpl,
                            VJPMPI_ATTRS);
 
 #ifdef VJPMPI_HOST_ASYNC
+// The ragged exchange (vjpmpi_ragged.h): (a0, a1, input_offsets, send_sizes,
+// output_offsets, recv_sizes, token) -> (r0, r1, token). Forward: a0 the operand, a1 the
+// output (r0, in place), r1 the rows received per slice (int32). Reverse (the transpose,
+// `reverse`): a0 the output-shaped cotangent, a1 the operand-shaped accumulator (r0, in
+// place), r1 the cotangent with its received rows zeroed. The four int32 arrays have one
+// length n, a multiple of the communicator's size; `form` names the public op, `groups`
+// the packed forms' segments (a batch folded into one call). Host memory only.
+template <bool Async>
+Result<Async> RaggedImpl(VJPMPI_PARAMS_FIRST ffi::AnyBuffer a0, ffi::AnyBuffer a1,
+                         ffi::AnyBuffer io, ffi::AnyBuffer ss, ffi::AnyBuffer oo,
+                         ffi::AnyBuffer rs, ffi::Token, ffi::Result<ffi::AnyBuffer> r0,
+                         ffi::Result<ffi::AnyBuffer> r1, ffi::Result<ffi::Token>,
+                         VJPMPI_ATTR_PARAMS, int64_t form, int64_t groups) {
+  auto mem = VJPMPI_MEM;
+  Attrs at = VJPMPI_ATTRS_OF;
+  const char* name = RaggedName(static_cast<int>(form));
+  Call c = MakeCall(name, at, kWaitsForAll | (form == kGatherv || form == kScatterv ? kUsesRoot : 0));
+  c.kind = KindOf(a0.element_type());
+  for (auto* b : {&io, &ss, &oo, &rs}) {
+    if (b->element_type() != ffi::DataType::S32) {
+      return Finish<Async>(std::string("vjpmpi.") + name + ": offsets and sizes must be int32 (a vjpmpi bug)");
+    }
+  }
+  if (c.kind == Kind::kUnsupported || KindOf(a1.element_type()) != c.kind) {
+    return Finish<Async>(Unsupported(name));
+  }
+  const bool back = at.reverse != 0;
+  ffi::AnyBuffer& operand = back ? a1 : a0;  // (operand-shaped, output-shaped)
+  ffi::AnyBuffer& output = back ? a0 : a1;
+  auto od = operand.dimensions(), yd = output.dimensions();
+  const int n = static_cast<int>(io.element_count());
+  const int64_t rows_in = od.size() ? od[0] : 0, rows_out = yd.size() ? yd[0] : 0;
+  size_t row_bytes = ByteSize(c.kind);
+  for (size_t d = 1; d < od.size(); ++d) row_bytes *= static_cast<size_t>(od[d]);
+  // What the ranks agree on: n and one row's shape.
+  std::vector<int64_t> block{n};
+  for (size_t d = 1; d < od.size(); ++d) block.push_back(od[d]);
+  c.dims = block.data();
+  c.ndim = static_cast<int>(block.size());
+  c.count = c.count2 = operand.element_count();
+  const void* p0 = a0.untyped_data();
+  const void* p1 = a1.untyped_data();
+  const int32_t* meta[4] = {io.typed_data<int32_t>(), ss.typed_data<int32_t>(),
+                            oo.typed_data<int32_t>(), rs.typed_data<int32_t>()};
+  void* q0 = r0->untyped_data();
+  void* q1 = r1->untyped_data();
+  size_t b0 = a0.size_bytes(), b1 = a1.size_bytes(), c1 = r1->size_bytes();
+  int g = static_cast<int>(groups);
+  int f = static_cast<int>(form);
+  return Run<Async>(mem, c, at, true, std::max(b0, b1), [&] {
+    int size = 1;
+    MPI_Comm_size(c.comm, &size);
+    if (n % size != 0) {
+      return std::string("vjpmpi.") + name + ": " + std::to_string(n) +
+             " offsets and sizes are not a multiple of the communicator's size " + std::to_string(size);
+    }
+    return Ok();
+  }, [=](decltype(mem)& m, const Call& c) {
+    std::string e = m.Begin();
+    if (!e.empty()) return e;
+    std::vector<int64_t> mine{rows_in, rows_out};
+    for (const int32_t* v : meta) mine.insert(mine.end(), v, v + n);
+    // (r0 holds a1, and reverse's r1 holds a0, where XLA gave them buffers of their own)
+    if (q0 != p1 && b1) HostCopy(q0, p1, b1);
+    if (back && q1 != p0 && c1) HostCopy(q1, p0, c1);
+    return Ragged(c, f, g, back, row_bytes, mine, n, p0, q0, back ? q1 : nullptr,
+                  back ? nullptr : static_cast<int32_t*>(q1));
+  });
+}
+VJPMPI_DEFINE(kRaggedAlltoall, RaggedImpl,
+              VJPMPI_BIND
+                  .Arg<ffi::AnyBuffer>()  // a0
+                  .Arg<ffi::AnyBuffer>()  // a1
+                  .Arg<ffi::AnyBuffer>()  // input_offsets
+                  .Arg<ffi::AnyBuffer>()  // send_sizes
+                  .Arg<ffi::AnyBuffer>()  // output_offsets
+                  .Arg<ffi::AnyBuffer>()  // recv_sizes
+                  .Arg<ffi::Token>()      // ordering token
+                  .Ret<ffi::AnyBuffer>()  // r0
+                  .Ret<ffi::AnyBuffer>()  // r1
+                  .Ret<ffi::Token>()      // ordering token
+                      VJPMPI_ATTRS
+                  .Attr<int64_t>("form")     // which public op (RaggedForm)
+                  .Attr<int64_t>("groups"));  // the packed forms' segments
+
 // vjpmpi.start of a point-to-point call: (its arrays, token) -> token. The call runs on
 // the communicator's thread between buffers of its own (Started); `slot` names it for
 // its wait. Host memory only (the CPU backend).
@@ -781,6 +867,7 @@ void DefineCommon(nb::module_& m) {
     VJPMPI_REGISTER("others_product", kOthersProduct)
     VJPMPI_REGISTER("hold", kHold)
 #ifdef VJPMPI_HOST_ASYNC
+    VJPMPI_REGISTER("ragged_alltoall", kRaggedAlltoall)
     VJPMPI_REGISTER("send_start", kSendStart)
     VJPMPI_REGISTER("recv_start", kRecvStart)
     VJPMPI_REGISTER("sendrecv_start", kSendrecvStart)
