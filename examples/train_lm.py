@@ -4,6 +4,7 @@ and check it against the same model trained on one process.
     mpiexec -n 4 python examples/train_lm.py               # 2 data x 2 tensor parallel
     mpiexec -n 4 python examples/train_lm.py --pipeline 2  # 2 pipeline stages x 2 tensor
     mpiexec -n 8 python examples/train_lm.py --pipeline 2  # 2 x 2 x 2: the 3-D grid
+    mpiexec -n 4 python examples/train_lm.py --experts 8   # 4 data x expert parallel
 
 The ranks form a grid of `pipeline` stages x data-parallel groups x tensor-parallel
 groups (`Comm.Split`s): tensor-parallel groups of `tp` ranks (2 when the ranks per
@@ -14,7 +15,10 @@ logits are never gathered); the data-parallel groups across them train on differ
 batches, and `sharded_optimizer` keeps 1/dp of the Adam state on each rank. With
 `--pipeline p` the model has p transformer blocks, one per stage (the embedding on the
 first, the head and the loss on the last), and each step runs the batch as
-micro-batches under the 1F1B schedule (`pipeline_value_and_grad`). The text is
+micro-batches under the 1F1B schedule (`pipeline_value_and_grad`). With `--experts N`
+each block's MLP is a mixture of N experts (`ExpertParallelMoE`, top-2, its
+load-balancing loss added) split over the ranks, which are all data parallel: each
+rank routes its own batch's tokens to the experts' ranks and back. The text is
 character-level: Python's own help pages (`pydoc_data`, shipped with CPython), so
 nothing is downloaded. Rank 0 shows a progress bar, writes a loss-curve PNG and
 compares with plain equinox on one process trained on the same global batches.
@@ -196,8 +200,157 @@ def max_param_diff(a, b):
     return max(float(jnp.max(jnp.abs(u - v))) for u, v in zip(la, lb, strict=True))
 
 
+def compared(losses, ref, grid, out, title, ylabel, **layout):
+    """The run's figures next to the one-process reference's (`ref`: its losses and the
+    largest parameter difference); rank 0 prints them and saves the loss curves."""
+    ref_losses = ref["ref_losses"]
+    result = {**layout, "final_loss": losses[-1], "first_loss": losses[0],
+              "reference_final_loss": ref_losses[-1], "max_param_diff": ref["max_param_diff"],
+              "max_loss_diff": float(np.max(np.abs(np.subtract(losses, ref_losses))))}
+    if COMM.rank == 0:
+        print(f"final loss {losses[-1]:.4f} (first {losses[0]:.4f}); single process "
+              f"{ref_losses[-1]:.4f}; largest loss difference {result['max_loss_diff']:.2e}, "
+              f"largest parameter difference {result['max_param_diff']:.2e}")
+        if out:
+            save_loss_curves(out, {f"vjpmpi, {grid}": losses, "single process": ref_losses},
+                             title, ylabel)
+    return result
+
+
+# ------------------------------------------------------ mixture of experts --
+AUX = 0.01  # the load-balancing loss's weight
+
+
+class MoEBlock(eqx.Module):
+    """A pre-norm block whose MLP is a mixture of experts, on a batch of windows (the
+    experts see every token of this rank's batch at once)."""
+
+    norm1: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    norm2: eqx.nn.LayerNorm
+    moe: vnn.ExpertParallelMoE
+
+    def __call__(self, x):  # (batch, SEQ, DIM) -> (batch, SEQ, DIM), aux
+        h = jax.vmap(jax.vmap(self.norm1))(x)
+        x = x + jax.vmap(lambda v: self.attn(v, v, v, MASK))(h)
+        y, aux = self.moe(jax.vmap(jax.vmap(self.norm2))(x).reshape(-1, DIM))
+        return x + y.reshape(x.shape), aux
+
+
+class MoELM(eqx.Module):
+    embed: eqx.nn.Embedding
+    pos: jax.Array
+    blocks: tuple
+    norm_f: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __call__(self, windows):  # ids (batch, SEQ) -> logits (batch, SEQ, vocab), aux
+        x = jax.vmap(jax.vmap(self.embed))(windows) + self.pos
+        aux = 0.0
+        for block in self.blocks:
+            x, a = block(x)
+            aux = aux + a
+        return jax.vmap(jax.vmap(self.head))(jax.vmap(jax.vmap(self.norm_f))(x)), aux
+
+
+def moe_model(vocab, experts, key, comm):
+    """The dense model's embedding, attention and head with MoE blocks; the experts split
+    over `comm` (MPI.COMM_SELF: every expert here, the one-process model)."""
+    d = dense_model(vocab, key)
+    moe = vnn.ExpertParallelMoE(DIM, WIDTH, experts, top_k=2, comm=MPI.COMM_SELF,
+                                key=jax.random.fold_in(key, 99))
+    if comm.size > 1:
+        moe = vnn.ExpertParallelMoE.from_dense(moe, comm)
+    b = d.blocks[0]
+    return MoELM(d.embed, d.pos, (MoEBlock(b.norm1, b.attn, b.norm2, moe),), d.norm_f, d.head)
+
+
+def _is_expert(m):
+    """A filter tree: True at the experts' arrays (split over the ranks), else False."""
+    ids = {id(a) for blk in m.blocks for a in (blk.moe.w1, blk.moe.b1, blk.moe.w2, blk.moe.b2)}
+    return jax.tree_util.tree_map(lambda a: id(a) in ids, m)
+
+
+def train_moe(model, data, lr, comm, progress=None):
+    """Adam steps of the MoE model, each rank on its own windows: the experts' gradients
+    are complete on their rank (every rank's tokens came back through the exchanges'
+    transposes) and are divided by the ranks (a mean over the global batch); the other
+    weights are replicated, averaged over the ranks by `sharded_optimizer`. The
+    load-balancing loss enters each rank's loss `size` times in the gradient (its value
+    once): averaged over the ranks, it counts once."""
+    size = comm.size
+    experts = _is_expert(model)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    rest_opt = vnn.sharded_optimizer(optax.adam(lr), comm=comm) if size > 1 else optax.adam(lr)
+    expert_opt = optax.adam(lr)
+    ex_p, rest_p = eqx.partition(params, experts)
+    states = (rest_opt.init(rest_p), expert_opt.init(ex_p))
+
+    def loss_fn(m, windows):
+        logits, aux = m(windows[:, :-1])
+        xent = optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:])
+        scaled = aux * size - jax.lax.stop_gradient(aux * (size - 1))
+        return jnp.mean(xent) + AUX * scaled
+
+    @eqx.filter_jit
+    def step(m, states, windows):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(m, windows)
+        ex_g, rest_g = eqx.partition(grads, experts)
+        ex_g = jax.tree_util.tree_map(lambda g: g / size, ex_g)
+        ur, rest_s = rest_opt.update(rest_g, states[0])
+        ue, ex_s = expert_opt.update(ex_g, states[1])
+        return eqx.apply_updates(m, eqx.combine(ur, ue)), (rest_s, ex_s), loss
+
+    losses = []
+    for windows in data:
+        model, states, loss = step(model, states, jnp.asarray(windows))
+        losses.append(comm.allreduce(float(loss)) / size)
+        if progress is not None:
+            progress.set_postfix(loss=f"{losses[-1]:.3f}")
+            progress.update()
+    return model, losses
+
+
+def main_moe(experts, steps, batch, lr, out, show):
+    size, rank = COMM.size, COMM.rank
+    if batch % size or experts % size:
+        raise ValueError(f"train_lm: the batch of {batch} and the {experts} experts must "
+                         f"split over the {size} ranks")
+    ids, alphabet = corpus()
+    data = batches(ids, steps, batch)
+    mine = data[:, rank * (batch // size):(rank + 1) * (batch // size)]
+    key = jax.random.PRNGKey(0)
+    model = moe_model(len(alphabet), experts, key, COMM)
+    progress = None
+    grid = f"{size} data x expert parallel, {experts} experts"
+    if show and rank == 0:
+        from tqdm import tqdm
+
+        progress = tqdm(total=steps, mininterval=0.5, desc=f"MoE LM on {size} ranks")
+    model, losses = train_moe(model, mine, lr, COMM, progress)
+    if progress is not None:
+        progress.close()
+    moe = [blk.moe.to_dense() for blk in model.blocks]  # (a collective: every rank)
+    trained = eqx.tree_at(lambda m: [blk.moe for blk in m.blocks], model, moe)
+    trained = jax.tree_util.tree_map(np.asarray, eqx.filter(trained, eqx.is_array))
+
+    def reference_run():
+        reference, ref_losses = train_moe(moe_model(len(alphabet), experts, key, MPI.COMM_SELF),
+                                          data, lr, MPI.COMM_SELF)
+        return {"ref_losses": ref_losses,
+                "max_param_diff": max_param_diff(trained, eqx.filter(reference, eqx.is_array))}
+
+    return compared(losses, on_one_rank(reference_run, COMM), grid, out,
+                    "Character-level MoE transformer on Python's help pages",
+                    "cross-entropy + load balancing", pp=1, tp=1, dp=size, experts=experts)
+
+
 def main(steps=150, batch=12, lr=3e-3, pipeline=1, micro=3, out="examples/out/train_lm.png",
-         show=True):
+         show=True, experts=0):
+    if experts:
+        if pipeline != 1:
+            raise ValueError("train_lm: --experts runs without --pipeline (data x expert parallel)")
+        return main_moe(experts, steps, batch, lr, out, show)
     size, rank = COMM.size, COMM.rank
     if pipeline < 1 or size % pipeline:
         raise ValueError(f"train_lm: {size} ranks do not split into {pipeline} pipeline stages")
@@ -242,20 +395,9 @@ def main(steps=150, batch=12, lr=3e-3, pipeline=1, micro=3, out="examples/out/tr
                                       optax.adam(lr))
         return {"ref_losses": ref_losses, "max_param_diff": max_param_diff(trained, reference)}
 
-    ref = on_one_rank(reference_run, COMM)
-    ref_losses = ref["ref_losses"]
-    result = {"pp": pipeline, "tp": tp, "dp": dp, "final_loss": losses[-1], "first_loss": losses[0],
-              "reference_final_loss": ref_losses[-1], "max_param_diff": ref["max_param_diff"],
-              "max_loss_diff": float(np.max(np.abs(np.subtract(losses, ref_losses))))}
-    if rank == 0:
-        print(f"final loss {losses[-1]:.4f} (first {losses[0]:.4f}); single process "
-              f"{ref_losses[-1]:.4f}; largest loss difference {result['max_loss_diff']:.2e}, "
-              f"largest parameter difference {result['max_param_diff']:.2e}")
-        if out:
-            save_loss_curves(out, {f"vjpmpi, {grid}": losses,
-                                   "single process": ref_losses},
-                             "Character-level transformer on Python's help pages",
-                             "cross-entropy (nats per character)")
+    result = compared(losses, on_one_rank(reference_run, COMM), grid, out,
+                      "Character-level transformer on Python's help pages",
+                      "cross-entropy (nats per character)", pp=pipeline, tp=tp, dp=dp)
     for comm in (tp_comm, dp_comm, pp_comm):
         comm.Free()
     return result
@@ -266,6 +408,9 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--pipeline", type=int, default=1, help="pipeline stages (default 1)")
     parser.add_argument("--micro", type=int, default=3, help="micro-batches per step (pipeline)")
+    parser.add_argument("--experts", type=int, default=0,
+                        help="a mixture of this many experts in each block, split over the ranks")
     parser.add_argument("--out", default="examples/out/train_lm.png")
     args = parser.parse_args()
-    main(steps=args.steps, pipeline=args.pipeline, micro=args.micro, out=args.out)
+    main(steps=args.steps, pipeline=args.pipeline, micro=args.micro, out=args.out,
+         experts=args.experts)

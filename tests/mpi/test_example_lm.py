@@ -1,5 +1,5 @@
-"""Smoke test of the language-model example: tensor x data parallel, and pipeline x
-tensor (x data) parallel, equal one process."""
+"""Smoke test of the language-model example: tensor x data parallel, pipeline x tensor
+(x data) parallel, and data x expert parallel (a mixture of experts), equal one process."""
 
 import sys
 from pathlib import Path
@@ -37,4 +37,12 @@ def test_train_lm_pipelined_matches_single_process():
                     "groups at 8 ranks)")
     result = train_lm.main(steps=12, pipeline=2, out=None, show=False)
     assert (result["pp"], result["tp"], result["dp"]) == (2, 2, size // 4)
+    check(result)
+
+
+def test_train_lm_with_experts_matches_single_process():
+    if size not in (2, 4):
+        pytest.skip("the MoE LM runs data x expert parallel at 2 and 4 ranks")
+    result = train_lm.main(steps=12, experts=2 * size, out=None, show=False)
+    assert (result["dp"], result["experts"]) == (size, 2 * size)
     check(result)

@@ -5,6 +5,7 @@ from ._embedding import VocabParallelEmbedding as VocabParallelEmbedding
 from ._linear import ColumnParallelLinear as ColumnParallelLinear
 from ._linear import RowParallelLinear as RowParallelLinear
 from ._mlp import ParallelMLP as ParallelMLP
+from ._moe import ExpertParallelMoE as ExpertParallelMoE
 from ._mlp import allreduce_gradients as allreduce_gradients
 from ._mlp import sync_gradients as sync_gradients
 from ._halo import HaloConv as HaloConv

@@ -1,0 +1,225 @@
+"""Expert parallelism: a mixture-of-experts layer whose experts are split over a communicator,
+tokens dispatched to their experts' ranks and back with `vjpmpi.ragged_alltoall`."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+from mpi4py import MPI
+
+from .._mpi import CommRef
+from .._ops import allgather, exscan, sum_replicated
+from .._ragged import ragged_alltoall
+from ._shard import comm_ref
+
+
+def _exclusive(v, axis=-1):
+    return jnp.cumsum(v, axis=axis) - v
+
+
+class ExpertParallelMoE(eqx.Module):
+    """A mixture-of-experts layer (MLP experts, a learned top-k router) with the experts
+    split over `comm`: rank `q` holds experts `q * E/size` to `(q + 1) * E/size - 1`.
+
+    Each rank routes its own tokens; the rows for each expert go to its rank and come back
+    through two `ragged_alltoall`s (counts decided at run time, no padding of the experts
+    to the worst case: dropless, unless `capacity_factor` caps what each expert takes from
+    each rank). Router: softmax of `x @ router.T`; top-1 takes the chosen expert's
+    probability as its gate (Switch), top-2 the two probabilities renormalised (GShard).
+    The auxiliary load-balancing loss is Switch's `E * sum_e f_e * P_e` over the global
+    batch (every rank's tokens: `f_e` the fraction of assignments to expert `e`, `P_e` its
+    mean router probability), the same value on every rank.
+
+    Gradients: the experts' are complete on their rank (every rank's tokens come back
+    through the exchanges' transposes); the router's are this rank's part: sum them over
+    the ranks (`allreduce_gradients`, `sharded_optimizer`), as for any replicated weight.
+    The loss of the auxiliary term counts once in that sum (its sums over ranks are
+    `sum_replicated`).
+
+    Shape: this rank's `Float[Array, "tokens in"]` -> (`Float[Array, "tokens in"]`, aux `()`).
+    Transpose: the dispatch exchange's is the return exchange and the other way round.
+    """
+
+    router: Float[Array, "experts in"]
+    w1: Float[Array, "local in hidden"]
+    b1: Float[Array, "local hidden"]
+    w2: Float[Array, "local hidden in"]
+    b2: Float[Array, "local in"]
+    num_experts: int = eqx.field(static=True)
+    top_k: int = eqx.field(static=True)
+    capacity_factor: float | None = eqx.field(static=True)
+    dropout: float = eqx.field(static=True)
+    activation: Callable = eqx.field(static=True)
+    comm: CommRef = eqx.field(static=True)
+
+    def __init__(self, in_size: int, hidden_size: int, num_experts: int, *, top_k: int = 1,
+                 activation: Callable = jax.nn.gelu, capacity_factor: float | None = None,
+                 dropout: float = 0.0, comm=None, key: PRNGKeyArray | None = None,
+                 dense: "ExpertParallelMoE | None" = None):
+        """Args:
+            in_size (int): the tokens' width.
+            hidden_size (int): each expert MLP's hidden width.
+            num_experts (int): experts in all, a multiple of the communicator's size.
+            top_k (int): experts per token, 1 or 2.
+            activation (Callable): the experts' activation.
+            capacity_factor (float | None): None: dropless; else each expert takes at most
+                `ceil(capacity_factor * tokens * top_k / num_experts)` rows from each rank
+                (the first in token order), the others dropped (no output from it).
+            dropout (float): dropout rate on the experts' outputs (with `key=` in the call).
+            comm (MPI.Intracomm | None): the communicator the experts are split over.
+            key (PRNGKeyArray): one key, the same on every rank: every rank draws the whole
+                layer and keeps its experts (the one-process layer from the same key is
+                equal).
+            dense: (internal) the whole layer to split (`from_dense`).
+
+        Raises:
+            ValueError: `num_experts` not a multiple of the size, `top_k` not 1 or 2, a
+                `dropout` outside [0, 1), or neither `key` nor `dense`.
+        """
+        self.comm = comm_ref(comm, "ExpertParallelMoE")
+        size = self.comm.size
+        if num_experts % size:
+            raise ValueError(f"vjpmpi.nn.ExpertParallelMoE: num_experts={num_experts} is not a "
+                             f"multiple of the communicator's size {size}")
+        if top_k not in (1, 2):
+            raise ValueError(f"vjpmpi.nn.ExpertParallelMoE: top_k={top_k}: 1 or 2")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"vjpmpi.nn.ExpertParallelMoE: dropout={dropout} is not in [0, 1)")
+        if dense is None:
+            if key is None:
+                raise ValueError("vjpmpi.nn.ExpertParallelMoE: pass `key=` or use `from_dense`")
+            kr, k1, k2 = jax.random.split(key, 3)
+            lim1, lim2 = 1 / math.sqrt(in_size), 1 / math.sqrt(hidden_size)
+            e = num_experts
+            params = dict(
+                router=jax.random.uniform(kr, (e, in_size), minval=-lim1, maxval=lim1),
+                w1=jax.random.uniform(k1, (e, in_size, hidden_size), minval=-lim1, maxval=lim1),
+                b1=jnp.zeros((e, hidden_size)),
+                w2=jax.random.uniform(k2, (e, hidden_size, in_size), minval=-lim2, maxval=lim2),
+                b2=jnp.zeros((e, in_size)))
+        else:
+            params = {k: getattr(dense, k) for k in ("router", "w1", "b1", "w2", "b2")}
+        local = num_experts // size
+        lo = self.comm.rank * local
+        self.router = params["router"]
+        for k in ("w1", "b1", "w2", "b2"):
+            setattr(self, k, params[k][lo:lo + local])
+        self.num_experts, self.top_k = num_experts, top_k
+        self.capacity_factor, self.dropout, self.activation = capacity_factor, dropout, activation
+
+    @classmethod
+    def from_dense(cls, dense: "ExpertParallelMoE", comm=None) -> "ExpertParallelMoE":
+        """Split a whole layer (every expert on this process: one on `MPI.COMM_SELF`, the
+        same on every rank) over `comm`."""
+        if dense.comm.size != 1:
+            raise ValueError("vjpmpi.nn.ExpertParallelMoE.from_dense: the layer to split must "
+                             "hold every expert (a layer on a one-rank communicator)")
+        return cls(dense.w1.shape[1], dense.w1.shape[2], dense.num_experts, top_k=dense.top_k,
+                   activation=dense.activation, capacity_factor=dense.capacity_factor,
+                   dropout=dense.dropout, comm=comm, dense=dense)
+
+    def to_dense(self) -> "ExpertParallelMoE":
+        """Gather every expert into a whole layer on `MPI.COMM_SELF`, on every rank."""
+        whole = {k: allgather(getattr(self, k), comm=self.comm.comm).reshape(
+            -1, *getattr(self, k).shape[1:]) for k in ("w1", "b1", "w2", "b2")}
+        whole["router"] = self.router
+        return ExpertParallelMoE(self.w1.shape[1], self.w1.shape[2], self.num_experts,
+                                 top_k=self.top_k, activation=self.activation,
+                                 capacity_factor=self.capacity_factor, dropout=self.dropout,
+                                 comm=MPI.COMM_SELF, dense=_Params(**whole))
+
+    def __call__(self, x: Float[Array, "tokens in"], *, key: PRNGKeyArray | None = None
+                 ) -> tuple[Float[Array, "tokens in"], Float[Array, ""]]:
+        """Args:
+            x (Array): this rank's tokens, shape `(tokens, in)`.
+            key (PRNGKeyArray | None): the dropout key, the same on every rank (each token's
+                mask is drawn from it and the token's place in the global batch, so the
+                one-process layer on every rank's tokens in rank order draws the same).
+
+        Returns:
+            `(y, aux)`: the layer's output for these tokens, and the load-balancing loss.
+        """
+        comm, size, rank = self.comm.comm, self.comm.size, self.comm.rank
+        x = jnp.asarray(x)
+        if x.ndim != 2 or x.shape[1] != self.w1.shape[1]:
+            raise ValueError(f"vjpmpi.nn.ExpertParallelMoE: x must have shape (tokens, "
+                             f"{self.w1.shape[1]}), got {tuple(x.shape)}")
+        n_tok, k, e = x.shape[0], self.top_k, self.num_experts
+        local = e // size
+        probs = jax.nn.softmax(x @ self.router.T, axis=-1)
+        top_p, top_e = jax.lax.top_k(probs, k)
+        gates = top_p if k == 1 else top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        flat = top_e.reshape(-1)  # (token, slot) in token order
+        chosen = jax.nn.one_hot(flat, e, dtype=jnp.int32)
+        keep = jnp.ones(flat.shape, bool)
+        if self.capacity_factor is not None:  # the first `cap` rows of each expert
+            cap = math.ceil(self.capacity_factor * n_tok * k / e)
+            place = jnp.sum((jnp.cumsum(chosen, axis=0) - chosen) * chosen, axis=1)
+            keep = place < cap
+        # load balancing over the global batch (sums over the ranks, counted once)
+        stats = sum_replicated(jnp.concatenate([
+            jnp.sum(probs, axis=0),
+            jax.lax.stop_gradient(jnp.sum(chosen, axis=0).astype(probs.dtype)),
+            jnp.full((1,), n_tok, probs.dtype)]), comm=comm)
+        total = stats[-1]
+        aux = e * jnp.sum(stats[e:2 * e] / (total * k) * stats[:e] / total)
+        # dispatch: rows sorted by expert (dropped ones last), one slice per expert
+        order = jnp.argsort(jnp.where(keep, flat, e), stable=True)
+        counts = jnp.sum(chosen * keep[:, None], axis=0).astype(jnp.int32)  # (e,)
+        every = allgather(counts, comm=comm)  # (size, e): [source rank, expert]
+        mine = every[:, rank * local:(rank + 1) * local]  # (size, local): what comes here
+        per_expert = jnp.sum(mine, axis=0)
+        start = _exclusive(per_expert)  # each local expert's first row here
+        # slice g (expert g on rank g // local) of rank j lands on that rank at
+        # (its expert's start there) + (rows from ranks before j)
+        totals = jnp.sum(every, axis=0)  # (e,)
+        group_start = _exclusive(totals.reshape(size, local), axis=1).reshape(-1)
+        before = _exclusive(every, axis=0)  # (size, e)
+        rows_in = size * n_tok * k
+        if self.capacity_factor is not None:
+            rows_in = min(rows_in, size * local * cap)
+        xs = x[order // k]
+        recv = ragged_alltoall(xs, jnp.zeros((rows_in, x.shape[1]), x.dtype),
+                               _exclusive(counts), counts, group_start + before[rank],
+                               mine.reshape(-1), comm=comm)
+        out = self._experts(recv, per_expert)
+        # back: this rank's rows of local expert e from rank j go to j's sorted rows
+        theirs = _exclusive(every, axis=1)[:, rank * local:(rank + 1) * local]  # (size, local)
+        back = ragged_alltoall(
+            out, jnp.zeros((n_tok * k, x.shape[1]), x.dtype),
+            (start[None, :] + before[:, rank * local:(rank + 1) * local]).reshape(-1),
+            mine.reshape(-1), theirs.reshape(-1),
+            counts.reshape(size, local).reshape(-1), comm=comm)
+        rows = jnp.zeros_like(back).at[order].set(back).reshape(n_tok, k, -1)
+        if self.dropout and key is not None:
+            offset = exscan(jnp.asarray(n_tok, jnp.int32), MPI.SUM, comm=comm)
+            ids = offset + jnp.arange(n_tok, dtype=jnp.int32)
+            masks = jax.vmap(lambda i: jax.random.bernoulli(
+                jax.random.fold_in(key, i), 1.0 - self.dropout, rows.shape[1:]))(ids)
+            rows = jnp.where(masks, rows / (1.0 - self.dropout), 0.0)
+        gates = jnp.where(keep.reshape(n_tok, k), gates, 0.0)
+        return jnp.einsum("tk,tkd->td", gates, rows), aux
+
+    def _experts(self, rows, per_expert):
+        """Each local expert's MLP on its rows (grouped, back to back from row 0); rows past
+        them are zeros."""
+        n = jnp.sum(per_expert)
+        which = jnp.clip(jnp.searchsorted(jnp.cumsum(per_expert), jnp.arange(rows.shape[0]),
+                                          side="right"), 0, per_expert.shape[0] - 1)
+        valid = (jnp.arange(rows.shape[0]) < n)[:, None]
+        h = jax.lax.ragged_dot(rows, self.w1, per_expert) + self.b1[which]
+        h = jnp.where(valid, self.activation(h), 0.0)
+        out = jax.lax.ragged_dot(h, self.w2, per_expert) + self.b2[which]
+        return jnp.where(valid, out, 0.0)
+
+
+class _Params:
+    """The whole layer's arrays (to_dense's `dense=`)."""
+
+    def __init__(self, **arrays):
+        self.__dict__.update(arrays)
