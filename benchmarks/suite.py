@@ -454,6 +454,117 @@ def watchdog_cost(quick):
     return {k: v / n for k, v in t.items()}
 
 
+def ragged_part(quick):
+    """vjpmpi.ragged_alltoall against mpi4py's Alltoallv on NumPy buffers with the same
+    counts, per call in a loop (the marginal cost: (T(3N) - T(N)) / 2N), timed in turn:
+    the jitted fori_loop of vjpmpi's exchange (the output carried in place, the operand
+    fixed), mpi4py's Alltoallv alone (counts known in advance), and mpi4py's Alltoall of
+    the counts then Alltoallv (what a program with run-time counts runs). Rows of 16
+    float32; `uniform`: each rank sends its rows in equal parts to every rank; `skewed`:
+    every rank sends 7/8 of its rows to rank 0 and the rest in equal parts to the others.
+    Sizes: the operand's bytes per rank."""
+    import vjpmpi
+    import jax
+    import jax.numpy as jnp
+
+    width = 16
+    sizes = [1 << 10, 1 << 20] if quick else [1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24]
+    reps = 3 if quick else 15
+    rows_out = []
+    for nbytes in sizes:
+        rows = nbytes // (4 * width)
+        for skew in ("uniform", "skewed"):
+            send = np.full(SIZE, rows // SIZE)
+            if skew == "skewed" and SIZE > 1:
+                send[:] = (rows // 8) // (SIZE - 1)
+                send[0] = rows - send[1:].sum()
+            send[-1] += rows - send.sum()
+            recv = np.array(COMM.alltoall(list(map(int, send))))
+            cap = int(max(COMM.allgather(int(recv.sum()))))
+            sdispl = np.concatenate([[0], np.cumsum(send)[:-1]])
+            rdispl = np.concatenate([[0], np.cumsum(recv)[:-1]])
+            out_offsets = np.array(COMM.alltoall(list(map(int, rdispl))))  # where mine land
+            x = np.random.default_rng(RANK).standard_normal((rows, width)).astype(np.float32)
+            y = np.zeros((cap, width), np.float32)
+            meta = [jnp.asarray(a, jnp.int32) for a in (sdispl, send, out_offsets, recv)]
+            xj = jnp.asarray(x)
+            iters = max(2, min(200, (1 << 24) // max(nbytes, 1) // 4)) if not quick else 2
+
+            def make(n):
+                return jax.jit(lambda out: jax.lax.fori_loop(
+                    0, n, lambda i, o: vjpmpi.ragged_alltoall(xj, o, *meta), out))
+
+            one, three = loops(make, jnp.asarray(y), iters)
+            # (in floats: mpi4py's fastest form, a predefined datatype)
+            sm = [x, (send * width, sdispl * width), MPI.FLOAT]
+            rm = [y, (recv * width, rdispl * width), MPI.FLOAT]
+            counts_in = np.empty(SIZE, np.int64)
+
+            def mpi4py_loop(n, exchange_counts):
+                def run():
+                    for _ in range(n):
+                        if exchange_counts:
+                            COMM.Alltoall(send.astype(np.int64), counts_in)
+                        COMM.Alltoallv(sm, rm)
+                return run
+            t = interleaved({"v1": one, "v3": three,
+                             "m1": mpi4py_loop(iters, False), "m3": mpi4py_loop(3 * iters, False),
+                             "c1": mpi4py_loop(iters, True), "c3": mpi4py_loop(3 * iters, True)},
+                            reps)
+            per = {k: max(t[k + "3"] - t[k + "1"], 1e-9) / (2 * iters) for k in ("v", "m", "c")}
+            # the same result as mpi4py's
+            got = np.asarray(jax.jit(lambda o: vjpmpi.ragged_alltoall(xj, o, *meta))(jnp.asarray(y)))
+            COMM.Alltoallv(sm, rm)
+            assert np.array_equal(got[:int(recv.sum())], y[:int(recv.sum())]), "ragged != Alltoallv"
+            rows_out.append({"bytes": nbytes, "skew": skew, "vjpmpi": per["v"],
+                             "alltoallv": per["m"], "with_counts": per["c"]})
+    return {"ranks": SIZE, "rows": rows_out, "moe": _moe_steps(quick)}
+
+
+def _moe_steps(quick):
+    """A training step's gradient of vjpmpi.nn.ExpertParallelMoE (top-2, experts split over
+    the ranks, tokens dispatched with ragged_alltoall) against the same layer with every
+    expert on every rank (what a program without expert parallelism runs: each rank its
+    own tokens, then every expert's gradient summed over the ranks), each with its
+    gradients synchronised (the router's, or every weight's), timed in turn."""
+    import jax
+    import jax.numpy as jnp
+    from vjpmpi.nn import ExpertParallelMoE, allreduce_gradients
+
+    d, h, per_rank, tokens = (32, 64, 2, 128) if quick else (256, 1024, 2, 2048)
+    e = per_rank * SIZE
+    whole = ExpertParallelMoE(d, h, e, top_k=2, comm=MPI.COMM_SELF, key=jax.random.PRNGKey(0))
+    split = ExpertParallelMoE.from_dense(whole, COMM)
+    x = jnp.asarray(np.random.default_rng(RANK).standard_normal((tokens, d)), jnp.float32)
+
+    def loss(m, v):
+        y, aux = m(v)
+        return jnp.mean(y ** 2) + 0.01 * aux
+
+    @jax.jit
+    def ep_step(m, v):
+        g = jax.grad(loss)(m, v)
+        return eqx_replace(g, "router", allreduce_gradients(g.router))
+
+    @jax.jit
+    def all_step(m, v):
+        return allreduce_gradients(jax.grad(loss)(m, v))
+
+    jax_block(ep_step(split, x))
+    jax_block(all_step(whole, x))
+    reps = 3 if quick else 11
+    t = interleaved({"ep": lambda: jax_block(ep_step(split, x)),
+                     "all": lambda: jax_block(all_step(whole, x))}, reps)
+    return {"tokens": tokens, "width": d, "hidden": h, "experts": e, "ep": t["ep"],
+            "all_experts": t["all"]}
+
+
+def eqx_replace(tree, name, value):
+    import equinox as eqx
+
+    return eqx.tree_at(lambda t: getattr(t, name), tree, value)
+
+
 def backward_cost(f, x, fwd_op, adj_ops, quick):
     """jit(f) and jit(value_and_grad f) on x (f: 8 chained collectives), next to the
     forward collective and the derivative's ones (`adj_ops`) with mpi4py, per op."""
@@ -1057,7 +1168,7 @@ def gloo_part(quick):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", choices=("main", "gloo", "check", "gpu", "net", "nonlinear",
-                                           "memory", "fft", "overlap", "async", "pipeline"),
+                                           "memory", "fft", "overlap", "async", "pipeline", "ragged"),
                         default="main")
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
@@ -1065,7 +1176,7 @@ if __name__ == "__main__":
     part = {"main": main_part, "gloo": gloo_part, "check": check_part, "gpu": gpu_part,
             "net": net_part, "nonlinear": nonlinear_part, "memory": memory_part,
             "fft": fft_part, "overlap": overlap_part, "async": async_part,
-            "pipeline": pipeline_part}[args.part]
+            "pipeline": pipeline_part, "ragged": ragged_part}[args.part]
     result = part(args.quick)
     if RANK == 0:
         with open(args.json, "w") as fh:

@@ -78,7 +78,15 @@ def test_benchmark_suite_smoke(tmp_path):
     assert set(main["watchdog"]) == {"call_on", "call_off", "fori_on", "fori_off",
                                      "ring_check_off", "ring_check_on"}
     assert all(v > 0 for v in main["watchdog"].values())
+    # the ragged exchange against mpi4py's Alltoallv (uniform and skewed), the MoE step
+    rag = main["ragged"]
+    assert rag is not None and rag["ranks"] == 2, main["ragged_why"]
+    assert [(r["bytes"], r["skew"]) for r in rag["rows"]] == [
+        (b, s) for b in (1 << 10, 1 << 20) for s in ("uniform", "skewed")]
+    assert all(r[k] > 0 for r in rag["rows"] for k in ("vjpmpi", "alltoallv", "with_counts"))
+    assert rag["moe"]["ep"] > 0 and rag["moe"]["all_experts"] > 0
     text = (tmp_path / "results.md").read_text()
+    assert "## Variable-size exchange: ragged_alltoall against mpi4py's Alltoallv" in text
     assert "## Cost of the watchdog's default, and of the point-to-point check" in text
     assert "## Nonlinear derivatives" in text and "## Peak memory" in text
     assert "## Distributed FFT" in text
