@@ -99,6 +99,7 @@ ONLY_AT = {
     "mpi/test_nn.py": (2, 4),
     "mpi/test_nn_halo.py": (2, 4),  # (4: a ring whose two neighbours differ, and 2x2)
     "mpi/test_nn_optim.py": (2, 3),  # (3: a shard that sees another leaf size)
+    "mpi/test_nn_moe.py": (2, 4),  # (experts split over 2 and 4 ranks; 1: the dense layer itself)
     "mpi/test_example_digits.py": (2,),
     "mpi/test_example_transpose.py": (2,),
     "mpi/test_example_pde.py": (2,),
