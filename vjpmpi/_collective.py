@@ -81,6 +81,8 @@ class Collective:
     - `batch`: `(prim, args, dims, params) -> (outs, out_dims)`, a batching rule of the
       op's own, where moving the batch axis into each rank's block is not it.
     - `host_only`: the kernel exists for host memory only (no CUDA handler yet).
+    - `describe`: `params -> text`, how a call site names the call (default: the target
+      and the parameters `_DESCRIBE` knows), where one kernel serves several ops.
     """
 
     name: str
@@ -98,6 +100,7 @@ class Collective:
     block: Callable | None = None
     batch: Callable | None = None
     host_only: bool = False
+    describe: Callable[[dict], str] | None = None
 
     def ffi_target(self) -> str | None:
         return self.name if self.target == "" else self.target
@@ -331,13 +334,16 @@ def _site(ctx, spec: Collective, params) -> int:
     """Register a description of this call site with the kernels (what the watchdog, the
     check and the timeout name); the hash of its text, the same in every process that
     lowers the same call."""
-    detail = [_DESCRIBE[k](params[k]) for k in spec.params if k in _DESCRIBE]
-    detail += ["from the last rank down"] if spec.fixed.get("reverse") else []
+    if spec.describe is not None:
+        call = spec.describe(params)
+    else:
+        detail = [_DESCRIBE[k](params[k]) for k in spec.params if k in _DESCRIBE]
+        detail += ["from the last rank down"] if spec.fixed.get("reverse") else []
+        call = f"{spec.ffi_target()}({', '.join(detail)})"
     avals = ", ".join(f"{a.dtype}{list(a.shape)}" for a in ctx.avals_in)
     stage = " [backward]" if "transpose" in str(ctx.name_stack) else ""
     return _kernels.register_site(
-        f"{spec.ffi_target()}({', '.join(detail)}) on {avals or 'no data'}{stage} at "
-        f"{_user_frame()}")
+        f"{call} on {avals or 'no data'}{stage} at {_user_frame()}")
 
 
 def _lower(ctx, *args, spec: Collective, **params):

@@ -36,6 +36,18 @@ def _reverse_avals(p, ct, acc, *meta):
     return [acc, ct]
 
 
+_NAMES = {code: name for name, code in _FORMS.items()}
+
+
+def _describe(reverse):
+    def describe(p):  # e.g. "gatherv(root=1, reverse exchange)"
+        detail = [f"root={p['root']}"] if _NAMES[p["form"]] in ("gatherv", "scatterv") else []
+        detail += [f"{p['groups']} batched"] if p["groups"] > 1 else []
+        detail += ["reverse exchange"] if reverse else []
+        return f"{_NAMES[p['form']]}({', '.join(detail)})"
+    return describe
+
+
 def _block(p, avals):  # what the ranks agree on: the number of slices and one row's shape
     return (avals[2].shape[0], *avals[0].shape[1:])
 
@@ -112,11 +124,11 @@ def _batch(reverse):
 _SPECS = [
     Collective("ragged_alltoall", _forward_avals, _PARAMS, alias=(1, 0),
                linear=lambda p: False, nonlinear_jvp=_jvp(0), transpose=_transpose_forward,
-               block=_block, batch=_batch(0), host_only=True),
+               block=_block, batch=_batch(0), host_only=True, describe=_describe(False)),
     Collective("ragged_alltoall_reversed", _reverse_avals, _PARAMS, fixed={"reverse": 1},
                alias=(1, 0), target="ragged_alltoall", linear=lambda p: False,
                nonlinear_jvp=_jvp(1), transpose=_transpose_reverse, block=_block,
-               batch=_batch(1), host_only=True),
+               batch=_batch(1), host_only=True, describe=_describe(True)),
 ]
 _PRIM, _LIN = zip(*(make_primitive(s) for s in _SPECS))
 

@@ -13,16 +13,20 @@ allgatherv, gatherv, scatterv).
 - Every run-time refusal (negative size, recv/send mismatch, a slice past an output or
   an operand, overlapping received slices, a count over capacity) is the same error on
   every rank, and the ranks go on in step after it; trace-time errors name the argument.
-- One FFI call per exchange in what XLA compiles; a CUDA lowering is refused.
+- One FFI call per exchange in what XLA compiles, on the program's one chain with the
+  other collectives whatever each rank's data dependencies; ranks that disagree on the
+  exchange (a row's width, the number of slices) fail together; a CUDA lowering is refused.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import vjpmpi
 from helpers import WORLD, gdot
+from hlo_order import assert_ordered, collective_sequence
 
 rank, size = WORLD.rank, WORLD.size
 ROW = (2,)
@@ -375,3 +379,44 @@ def test_one_custom_call_per_exchange_and_no_cuda():
     assert grad_hlo.count('custom_call_target="vjpmpi_ragged_alltoall"') == 2, grad_hlo
     with pytest.raises(NotImplementedError, match="vjpmpi.ragged_alltoall: has no CUDA kernel"):
         jax.jit(ragged).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_in_program_order_whatever_the_data_dependencies():
+    """Even ranks feed an allreduce's result into the exchange, odd ranks feed the
+    exchange's result into an allgather: one chain, allreduce -> exchange -> allgather."""
+    args, want, _ = plan(81, 1, "random")
+    x, out, *meta = map(jnp.asarray, args)
+
+    def f(x, out):
+        s = vjpmpi.allreduce(jnp.ones(3), MPI.SUM)
+        y = ragged(x + 0.0 * jnp.sum(s) if rank % 2 == 0 else x, out, *meta)
+        g = vjpmpi.allgather(jnp.sum(y) if rank % 2 else jnp.float64(1.0))
+        return y, s, g
+
+    hlo = jax.jit(f).lower(x, out).compile().as_text()
+    assert_ordered(hlo)
+    assert collective_sequence(hlo) == ["allreduce", "ragged_alltoall", "allgather"]
+    y, s, g = jax.jit(f)(x, out)
+    np.testing.assert_array_equal(np.asarray(y), want)
+    np.testing.assert_array_equal(np.asarray(s), size)
+    sums = WORLD.allgather(float(jnp.sum(y)))
+    np.testing.assert_allclose(np.asarray(g), [sums[r] if r % 2 else 1.0 for r in range(size)])
+
+
+@pytest.mark.parametrize("what", ["width", "slices"])
+def test_ranks_that_disagree_fail_together(what):
+    """(on a fresh communicator: a program new to every rank, which every rank compares;
+    a rank that runs a program it has verified is inside MPI already, and the job ends)"""
+    if size == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    last = rank == size - 1
+    width = 3 if (what == "width" and last) else 2
+    n = size * (2 if (what == "slices" and last) else 1)
+    m = jnp.zeros(n, jnp.int32)
+    comm = WORLD.Dup()
+    with pytest.raises(Exception, match=r"(the ranks disagree|collective mismatch).*shape differs"):
+        jax.block_until_ready(vjpmpi.ragged_alltoall(
+            jnp.ones((2, width)), jnp.ones((2, width)), m, m, m, m, comm=comm))
+    y, _ = vjpmpi.allgatherv(jnp.ones((2, 1)), 1, capacity=size, comm=comm)  # in step after it
+    np.testing.assert_array_equal(np.asarray(y), 1)
+    comm.Free()
