@@ -155,7 +155,10 @@ def _ints(x, op, arg, shape):
     if x.shape != shape:
         raise ValueError(f"vjpmpi.{op}: argument '{arg}' must have shape {shape}, "
                          f"got {tuple(x.shape)}")
-    if jnp.iinfo(x.dtype).bits > 32 or x.dtype == jnp.uint32:
+    if jnp.issubdtype(x.dtype, jnp.unsignedinteger):  # (a negative bound would wrap)
+        if jnp.iinfo(x.dtype).bits >= 32:
+            x = jnp.minimum(x, 2**31 - 1)
+    elif jnp.iinfo(x.dtype).bits > 32:
         x = jnp.clip(x, -(2**31), 2**31 - 1)
     return x.astype(jnp.int32)
 

@@ -246,6 +246,9 @@ def test_allgatherv_and_gatherv():
     y, k = vjpmpi.allgatherv(xs[rank], counts[rank], capacity=cap)
     np.testing.assert_array_equal(np.asarray(y), want)
     np.testing.assert_array_equal(np.asarray(k), counts)
+    for dtype in (np.uint32, np.uint64, np.int64):  # (unsigned and wide counts alike)
+        y, k = vjpmpi.allgatherv(xs[rank], dtype(counts[rank]), capacity=cap)
+        np.testing.assert_array_equal(np.asarray(y), want)
     root = size - 1
     y, k = jax.jit(lambda x, n: vjpmpi.gatherv(x, n, root=root, capacity=cap))(xs[rank], counts[rank])
     if rank == root:
