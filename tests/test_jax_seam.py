@@ -25,7 +25,7 @@ PRIVATE = {
     "jax._src.interpreters.mlir": {"jaxpr_subcomp"},
     "jax._src.interpreters.partial_eval": {"JaxprStackFrame", "_default_dce_rule",
                                            "EffectHandle", "new_eqn_recipe"},
-    "jax._src.effects": {"Effect", "lowerable_effects", "control_flow_allowed_effects",
+    "jax._src.effects": {"Effect", "control_flow_allowed_effects",
                          "custom_derivatives_allowed_effects", "remat_allowed_effects",
                          "ordered_effects", "partial_eval_kept_effects"},
     "jax._src.source_info_util": {"user_frames"},

@@ -10,23 +10,23 @@ from ._dispatch import ensure_synchronous_cpu_dispatch as _ensure_sync
 
 _ensure_sync()
 
-from ._ops import allgather as allgather  # noqa: E402
-from ._ops import allreduce as allreduce  # noqa: E402
-from ._ops import alltoall as alltoall  # noqa: E402
-from ._ops import barrier as barrier  # noqa: E402
-from ._ops import bcast as bcast  # noqa: E402
-from ._ops import exscan as exscan  # noqa: E402
-from ._ops import fence as fence  # noqa: E402
-from ._ops import gather as gather  # noqa: E402
-from ._ops import recv as recv  # noqa: E402
-from ._ops import reduce as reduce  # noqa: E402
-from ._ops import reduce_scatter as reduce_scatter  # noqa: E402
-from ._ops import scan as scan  # noqa: E402
-from ._ops import scatter as scatter  # noqa: E402
-from ._ops import send as send  # noqa: E402
-from ._ops import sendrecv as sendrecv  # noqa: E402
-from ._ops import sum_replicated as sum_replicated  # noqa: E402
-from ._ops import use_replicated as use_replicated  # noqa: E402
+from ._movement import allgather as allgather  # noqa: E402
+from ._reductions import allreduce as allreduce  # noqa: E402
+from ._movement import alltoall as alltoall  # noqa: E402
+from ._sync import barrier as barrier  # noqa: E402
+from ._movement import bcast as bcast  # noqa: E402
+from ._reductions import exscan as exscan  # noqa: E402
+from ._sync import fence as fence  # noqa: E402
+from ._movement import gather as gather  # noqa: E402
+from ._p2p import recv as recv  # noqa: E402
+from ._reductions import reduce as reduce  # noqa: E402
+from ._reductions import reduce_scatter as reduce_scatter  # noqa: E402
+from ._reductions import scan as scan  # noqa: E402
+from ._movement import scatter as scatter  # noqa: E402
+from ._p2p import send as send  # noqa: E402
+from ._p2p import sendrecv as sendrecv  # noqa: E402
+from ._replicated import sum_replicated as sum_replicated  # noqa: E402
+from ._replicated import use_replicated as use_replicated  # noqa: E402
 from ._ragged import allgatherv as allgatherv  # noqa: E402
 from ._ragged import alltoallv as alltoallv  # noqa: E402
 from ._ragged import gatherv as gatherv  # noqa: E402
@@ -45,5 +45,8 @@ from ._kernels import cuda_mode as cuda_mode  # noqa: E402
 from ._kernels import custom_call_targets as custom_call_targets  # noqa: E402
 from ._kernels import take_trace as take_trace  # noqa: E402
 from ._mpi import default_comm as default_comm  # noqa: E402
+from ._seam import install as _install_seam  # noqa: E402
+
+_install_seam()  # (vjpmpi's hooks in JAX, once: every primitive above is registered)
 
 __version__ = "0.1.0"

@@ -7,7 +7,7 @@ Layouts, for an array of d axes on a grid of g dimensions (g < d):
 Every split is `split_sizes` (`ProcessGrid.block`: as equal as can be, the first blocks
 one longer). The global shape is the `shape` argument, or else each rank's block times
 the grid (equal blocks). Before its first alltoall a transform has the ranks of the
-grid agree on that global shape (`_ops.agree_on`, a collective that moves no data), so
+grid agree on that global shape (`_sync.agree_on`, a collective that moves no data), so
 ranks that infer different global shapes from uneven blocks fail together, saying so.
 """
 
@@ -22,15 +22,18 @@ from mpi4py import MPI
 from ._composite import ordered_collective
 from ._grid import ProcessGrid, split_sizes, split_start
 from ._mpi import as_comm
-from ._ops import agree_on, alltoall
+from ._movement import alltoall
+from ._sync import agree_on
 
 _NORMS = (None, "backward", "ortho", "forward")
 
 
 def _plan(grid: Any, op: str):
-    """(dims, coords, axis communicators, the whole grid's communicator) of `grid`."""
+    """(dims, coords, axis communicators, the whole grid's communicator) of `grid`, the
+    communicators resolved (`as_comm`) here, once for the transform."""
     if isinstance(grid, ProcessGrid):
-        return grid.dims, grid.coords, grid.axis_comms, grid.cart
+        axes = tuple(as_comm(c, f"fft.{op}") for c in grid.axis_comms)
+        return grid.dims, grid.coords, axes, as_comm(grid.cart, f"fft.{op}")
     if isinstance(grid, MPI.Cartcomm) and grid.Get_dim() > 1:
         raise TypeError(
             f"vjpmpi.fft.{op}: argument 'grid' is a {grid.Get_dim()}-D Cartesian communicator; "
@@ -42,7 +45,7 @@ def _plan(grid: Any, op: str):
             f"an mpi4py communicator (slab) or None (slab over vjpmpi's COMM_WORLD), "
             f"got {type(grid).__name__}")
     ref = as_comm(grid, f"fft.{op}")
-    return (ref.size,), (ref.rank,), (ref.comm,), ref.comm
+    return (ref.size,), (ref.rank,), (ref,), ref
 
 
 def _input(x, op: str, real: bool):
@@ -93,7 +96,7 @@ def _global(op: str, x, plan, shape, split: tuple[int, ...], given="argument 'sh
     """(global shape, refusal or None, note) of the input `x`, whose axes `split` are
     split: `shape` when given (this rank's block must then be its block of it), else this
     rank's block times the grid, which only equal blocks give alike on every rank."""
-    dims, rank = plan[0], as_comm(plan[3], f"fft.{op}").rank
+    dims, rank = plan[0], plan[3].rank
     grid = " x ".join(str(d) for d in dims)
     n = _shape_arg(op, shape, x.ndim)
     if n is not None:

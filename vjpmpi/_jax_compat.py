@@ -1,71 +1,53 @@
 """Every use of JAX internals in vjpmpi, in one place.
 
 JAX's public API has no hooks for what a communicating primitive needs (to be kept
-through dead-code elimination, and ordered across loops, branches and nested
-calls), so vjpmpi uses a few private modules and rules. Each entry below says what
-it relies on; a JAX upgrade that breaks vjpmpi breaks here first. Tested with
-JAX 0.7.1 to 0.12.0.1 (CI runs both ends; 0.11 and newer on Python 3.13).
+through dead-code elimination, ordered across loops, branches and nested calls), so
+vjpmpi uses a few private modules and rules; a JAX upgrade that breaks vjpmpi breaks
+here first. Tested with JAX 0.7.1 to 0.12.0.1 (CI runs both ends).
 
-Patches that JAX calls for every program in the process, collectives or not (ten
-attributes of JAX's, under six functions here; each
-leaves a program without vjpmpi primitives unchanged, jaxpr, lowering and result:
-tests/test_no_side_effects.py), and why no scoped form exists:
+`install` puts the patches in, once, at import (`_seam.install`). JAX calls them for
+every program in the process; each leaves a program without vjpmpi primitives as it
+was (tests/test_no_side_effects.py); each one's docstring says why no scoped hook serves.
 
-- `guard_dce_rules` wraps the DCE rule of every higher-order primitive (cond, while,
-  jit, remat, scan, custom derivatives, ...): JAX picks a rule by the equation's
-  primitive, and a loop or branch that holds a collective has no primitive of its
-  own to register for.
-- `keep_traced_equations` wraps `JaxprStackFrame.add_eqn`: the weak references of
-  auto-DCE tracing are kept per frame, not per primitive.
-- `run_tangent_rules` wraps `JVPTrace` / `LinearizeTrace.process_primitive` and the
-  tracers' `__init__`: JAX skips a rule whose input tangents are all zero before any
-  rule of the primitive runs. (JAX 0.11's `ad.linearize_on_zero_tangents` is a set of
-  primitives, so it cannot name a jit or loop that holds a collective either.)
-- `ordered_lowering` wraps `mlir.jaxpr_subcomp`: the token chain starts at a module's
-  main function and passes through every construct's lowering rule; no hook sees a
-  module before its first equation.
-- `carry_while_predicate` replaces while's batching rule: one rule serves every loop.
-- `track_host_callbacks` wraps the functions that run host callbacks: a collective
-  called from inside one must know, and JAX has no callback-entry hook.
+Names come from JAX's public modules where they re-export one (`jax.extend.core`,
+`jax.interpreters.*`, `jax.extend.source_info_util`, `jax.core`, `jax.ffi`, `jax.typeof`,
+`jax.lax.while_p`, jaxlib's `stablehlo`), and a name public on newer JAX only from its
+public home where the installed JAX has one (`_public`); `jax._src` where none does. The
+package imports names from here, never a JAX module (tests/test_jax_seam.py). Private,
+with what each is for and the JAX versions with a public home:
 
-Names: JAX's public modules where they re-export one (`jax.extend.core`,
-`jax.interpreters.*`, `jax.extend.source_info_util`, `jax.core.ShapedArray`,
-`jax.typeof`, `jax.lax.while_p`, jaxlib's `stablehlo` dialect), `jax._src` where none
-does. The rest of the package imports names from here, never a JAX module, so this
-list is the whole seam (tests/test_jax_seam.py holds it to the code). Private, each
-with what it is for:
-
-- `jax._src.core`: `jaxprs_in_params` (the nested jaxprs of an equation),
-  `abstract_token` (the aval of the chain token an FFI call takes), `set_current_trace`
-  and `trace_state_clean` (tracing state: see `run_tangent_rules` and `outside_traces`).
-- `jax._src.interpreters.ad`: `LinearizeTrace`, `LinearizeTracer` (see
-  `run_tangent_rules`; `JVPTrace`/`JVPTracer` are public).
-- `jax._src.interpreters.mlir`: `jaxpr_subcomp`, as the module attribute JAX's rules
-  look up (see `ordered_lowering`).
-- `jax._src.interpreters.partial_eval`: `JaxprStackFrame` (see `keep_traced_equations`),
-  `_default_dce_rule` (see `guard_dce_rules`; JAX's notion of a removable effect
-  changes between releases, so it is not copied), `EffectHandle` and
-  `new_eqn_recipe` (see `keep_in_partial_eval`; `jax.interpreters.partial_eval`
-  re-exports the latter in 0.7.1 and 0.11.1+ only).
-- `jax._src.effects`: `Effect` and the effect-type sets `lowerable_effects`,
+- `jax._src.core`: `jaxprs_in_params` (an equation's nested jaxprs; `jax.extend.core`
+  from 0.10), `abstract_token` (the chain token's aval; `jax.core` to 0.9, `jax.ffi`
+  from 0.11), `set_current_trace` (`_run_tangent_rules`; `jax.extend.core` from 0.10),
+  `trace_state_clean` (`outside_traces`).
+- `jax._src.interpreters.ad`: `LinearizeTrace`, `LinearizeTracer` (`_run_tangent_rules`).
+- `jax._src.interpreters.mlir`: `jaxpr_subcomp`, the attribute JAX's rules look up.
+- `jax._src.interpreters.partial_eval`: `JaxprStackFrame` (`_keep_traced_equations`;
+  public in 0.7.1 only), `_default_dce_rule` (`_guard_dce_rules`; JAX's removable
+  effects change between releases, so it is not copied), `EffectHandle` and
+  `new_eqn_recipe` (`keep_in_partial_eval`; the latter public in 0.7.1 and 0.11.1+).
+- `jax._src.effects`: `Effect` (`jax.extend.core` from 0.10) and the effect-type sets
   `control_flow_allowed_effects`, `custom_derivatives_allowed_effects`,
-  `remat_allowed_effects`, `ordered_effects`, `partial_eval_kept_effects` (see
-  `register_effect`).
+  `remat_allowed_effects`, `ordered_effects`, `partial_eval_kept_effects`
+  (`_register_effect`; `lowerable_effects` is public in `jax.interpreters.mlir`).
 - `jax._src.source_info_util`: `user_frames` (the user's frames of a call site).
-- `jax._src.xla_bridge`: `backends_are_initialized` (see `cpu_client_started`).
-- `jax._src.callback`: `_FlatCallback` and `jax._src.debugging`: `debug_callback_impl`
-  (see `track_host_callbacks`).
+- `jax._src.xla_bridge`: `backends_are_initialized` (`cpu_client_started`).
+- `jax._src.callback`: `_FlatCallback`; `jax._src.debugging`: `debug_callback_impl`
+  (`_track_host_callbacks`).
 - `jax._src.export._export`: `call_exported_p`, the primitive that calls a deserialized
   `jax.export` function (its `exported` parameter is the `Exported`).
 
-Attributes of public objects that JAX does not document: a lowering context's
-`module_context.axis_context` (see `program_devices`) and
-`module_context.lowering_parameters.for_export` (see `lowering_for_export`).
+Of these 22, JAX 0.7.1 runs 19 (`abstract_token`, `JaxprStackFrame`, `new_eqn_recipe`
+public), 0.10 19 (`Effect`, `jaxprs_in_params`, `set_current_trace`), 0.12 17 (those
+three, `abstract_token`, `new_eqn_recipe`). Undocumented attributes of public objects:
+a lowering context's `module_context.axis_context` (`program_devices`) and
+`module_context.lowering_parameters.for_export` (`lowering_for_export`).
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Callable
 
 import jax
@@ -97,42 +79,49 @@ __all__ = [
     "Primitive", "Jaxpr", "ShapedArray", "Zero", "instantiate_zeros", "is_undefined_primal",
     "primitive_jvps", "primitive_transposes", "primitive_batchers", "register_lowering",
     "abstract_token", "no_effects", "jaxprs_in_params", "outside_traces", "user_frames",
-    "Effect", "register_effect", "cpu_client_started", "keep_traced_equations",
-    "guard_dce_rules", "keep_alive_in_dce", "keep_in_partial_eval", "ordered_lowering",
-    "chain_token", "set_chain_token", "program_devices", "lowering_for_export", "mark_jaxpr",
-    "track_host_callbacks", "inside_host_callback", "exported_text", "call_exported_p",
-    "carry_while_predicate", "run_tangent_rules", "trace_state",
+    "Effect", "cpu_client_started", "install", "keep_alive_in_dce", "keep_in_partial_eval",
+    "chain_token", "set_chain_token", "program_devices", "lowering_for_export", "ClosedJaxpr",
+    "inside_host_callback", "exported_text", "call_exported_p", "trace_state", "eval_jaxpr",
 ]
 
-Effect = _effects.Effect
-abstract_token = _core.abstract_token  # the aval of an XLA token
+
+def _public(module, name: str):
+    """`module.name` where the installed JAX has it (without a deprecation), else None."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        try:
+            return getattr(module, name, None)
+        except DeprecationWarning:
+            return None
+
+
+Effect = _public(_extend_core, "Effect") or _effects.Effect
+abstract_token = (_public(jax.ffi, "abstract_token") or _public(jax.core, "abstract_token")
+                  or _core.abstract_token)
 no_effects: frozenset = frozenset()  # (JAX's `core.no_effects` is this)
-jaxprs_in_params = _core.jaxprs_in_params  # every Jaxpr in an equation's params
+jaxprs_in_params = _public(_extend_core, "jaxprs_in_params") or _core.jaxprs_in_params
+_set_current_trace = _public(_extend_core, "set_current_trace") or _core.set_current_trace
+_JaxprStackFrame = _public(pe, "JaxprStackFrame") or _pe.JaxprStackFrame
+_new_eqn_recipe = _public(pe, "new_eqn_recipe") or _pe.new_eqn_recipe
 outside_traces = _core.trace_state_clean  # () -> whether no JAX trace is active
-# () -> the active trace, compared by identity (jax.extend.core has it in JAX 0.10 and
-# 0.12, jax.core in 0.7.1)
-trace_state = (getattr(_extend_core, "get_opaque_trace_state", None)
+# () -> the active trace, compared by identity (jax.core's in 0.7.1)
+trace_state = (_public(_extend_core, "get_opaque_trace_state")
                or jax.core.get_opaque_trace_state)
 
 
 def user_frames() -> list:
-    """The frames, outside JAX's own files, of the call that JAX is tracing or lowering
-    now (`file_name`, `start_line`, `function_name`); none outside a trace."""
+    """The user's frames of the call JAX traces or lowers now (none outside a trace)."""
     tb = source_info_util.current().traceback
     return [] if tb is None else list(_source_info.user_frames(tb))
 
 
-# The wrappers below sit between a user's code and JAX's on the Python stack; like JAX's
-# own files, this one is left out of the source locations recorded in programs (HLO
-# metadata) and of filtered tracebacks.
+# (like JAX's own files, left out of programs' source locations and filtered tracebacks)
 source_info_util.register_exclusion(__file__)
 
 
-def register_effect(effect_type: type, *, ordered: bool) -> None:
-    """Allow an effect type wherever JAX checks effects (loops, conditionals, custom
-    derivatives, remat, lowering); `ordered` also makes JAX's lowering thread an XLA
-    token for it. Relies on the effect-type sets of `jax._src.effects`."""
-    kinds = [_effects.lowerable_effects, _effects.control_flow_allowed_effects,
+def _register_effect(effect_type: type, *, ordered: bool) -> None:
+    """Allow an effect type wherever JAX checks effects; `ordered`: with an XLA token."""
+    kinds = [mlir.lowerable_effects, _effects.control_flow_allowed_effects,
              _effects.custom_derivatives_allowed_effects, _effects.remat_allowed_effects]
     kinds.append(_effects.ordered_effects if ordered else _effects.partial_eval_kept_effects)
     for kind in kinds:
@@ -140,25 +129,22 @@ def register_effect(effect_type: type, *, ordered: bool) -> None:
 
 
 def cpu_client_started() -> bool:
-    """Whether JAX has created its backends (then CPU dispatch settings are fixed).
-    Relies on `xla_bridge.backends_are_initialized`."""
+    """Whether JAX has created its backends (then CPU dispatch settings are fixed)."""
     return _xla_bridge.backends_are_initialized()
 
 
-# --------------------------------------------------- dead code elimination --
 def keep_alive_in_dce(prim: Primitive) -> None:
-    """DCE never drops an equation of `prim`, used or not. Relies on `pe.dce_rules`
-    (rule signature `(used_outputs, eqn)`, from JAX 0.12 `(used_outputs, live_ins, eqn)`,
-    `-> (used_inputs, eqn or None)`: the equation is the last argument)."""
+    """DCE never drops an equation of `prim` (a rule's last argument is the equation:
+    `(used_outputs, eqn)`, from JAX 0.12 `(used_outputs, live_ins, eqn)`)."""
     pe.dce_rules[prim] = lambda used_outputs, *rest: ([True] * len(rest[-1].invars), rest[-1])
 
 
-def guard_dce_rules(communicates: Callable, skip: Callable) -> None:
+def _guard_dce_rules(communicates: Callable, skip: Callable) -> None:
     """Wrap every registered DCE rule of a higher-order primitive (loops, conditionals,
-    jit, remat, custom derivatives, ...) so that an equation that `communicates` is
-    kept whole even when none of its outputs is used. `while_p` and `call_exported_p`
-    have no entry in `pe.dce_rules` (JAX applies the default rule), so one is added.
-    Idempotent. Relies on `pe.dce_rules`, `pe._default_dce_rule` and `loops.while_p`."""
+    jit, remat, custom derivatives, ...): an equation that `communicates` is kept whole
+    even when none of its outputs is used (`skip`: vjpmpi's own). `while_p` and
+    `call_exported_p` get JAX's default rule, wrapped. Idempotent. Relies on
+    `pe.dce_rules` and `pe._default_dce_rule`."""
     # no entry in `pe.dce_rules`: JAX applies its default rule to these
     extra = {p: _pe._default_dce_rule for p in (jax.lax.while_p, call_exported_p)
              if p not in pe.dce_rules}
@@ -181,12 +167,10 @@ def _guarded(rule, communicates):
     return dce_rule
 
 
-def keep_traced_equations(communicates: Callable) -> None:
-    """Jaxpr tracing with auto-DCE (JAX's linearize / vjp tangent traces) holds
-    effect-free equations weakly and forgets those whose outputs die; hold the ones
-    that communicate strongly, as JAX does for effectful equations. Idempotent.
-    Relies on `pe.JaxprStackFrame.add_eqn` keeping every equation while `auto_dce` is off."""
-    frame = _pe.JaxprStackFrame
+def _keep_traced_equations(communicates: Callable) -> None:
+    """Auto-DCE tracing (linearize / vjp) holds effect-free equations weakly; hold those
+    that communicate strongly (`add_eqn` with `auto_dce` off, as for effectful ones)."""
+    frame = _JaxprStackFrame
     if getattr(frame.add_eqn, "vjpmpi_guard", False):
         return
     original = frame.add_eqn
@@ -205,24 +189,16 @@ def keep_traced_equations(communicates: Callable) -> None:
     frame.add_eqn = add_eqn
 
 
-def run_tangent_rules(wanted: Callable) -> None:
-    """Forward-mode and linearize traces skip a primitive's differentiation rule when
-    every input tangent is a symbolic zero. For a collective, or a call, loop, branch or
-    remat holding one, that would drop the tangent collective (and so its transpose) on
-    the ranks whose inputs do not depend on what is differentiated, while the other
-    ranks run it. For the primitives `wanted(primitive, params)` names, the first
-    floating input then gets a real zero tangent, so the rule runs on every rank.
-
-    That zero must be *linear* (made from the trace's tangents): JAX's backward pass
-    evaluates an equation with only constant inputs in its forward sweep instead of
-    transposing it, and partial evaluation moves it to the forward program, which
-    would run the collective out of turn. So it is `linear_zeros` of a tangent the
-    trace has seen (its first non-zero one, recorded as its tracers are made); a
-    trace that has seen none gets plain zeros (pure forward mode needs no more).
-
-    Idempotent. Relies on `ad.JVPTrace` / `ad.LinearizeTrace` (`process_primitive`,
-    `to_primal_tangent_pair`, `parent_trace`, `tangent_trace`, an instance `__dict__`)
-    and `ad.JVPTracer` / `ad.LinearizeTracer.__init__(self, trace, primal, tangent)`."""
+def _run_tangent_rules(wanted: Callable) -> None:
+    """Forward-mode and linearize traces skip a primitive's rule when every input tangent
+    is a symbolic zero: the tangent collective (and its transpose) of a collective, or of
+    a call, loop, branch or remat holding one (`wanted(primitive, params)`), would vanish
+    on the ranks whose inputs do not depend on what is differentiated. Its first
+    floating input gets a real zero tangent, *linear* (`linear_zeros_p` of the trace's
+    first non-zero tangent: a zero from constants would run in the forward sweep, out of
+    turn; plain zeros where the trace has seen none). Idempotent. Relies on the traces'
+    `process_primitive`, `to_primal_tangent_pair`, `parent_trace` / `tangent_trace`,
+    instance `__dict__` and their tracers' `__init__(self, trace, primal, tangent)`."""
     for trace_type, tracer_type, tangents_of in [
         (ad.JVPTrace, ad.JVPTracer, lambda trace: trace.parent_trace),
         (_ad.LinearizeTrace, _ad.LinearizeTracer, lambda trace: trace.tangent_trace),
@@ -259,15 +235,14 @@ def _with_a_real_tangent(trace, tracers, tracer_type, tangent_trace):
         aval = jax.typeof(primal)
         if hasattr(aval, "dtype") and jnp.issubdtype(aval.dtype, jnp.inexact):
             anchor = trace.__dict__.get("_vjpmpi_anchor")
-            with _core.set_current_trace(tangent_trace):
+            with _set_current_trace(tangent_trace):
                 zero = (ad.instantiate_zeros(ad.Zero(aval.to_tangent_aval())) if anchor is None
                         else linear_zeros_p.bind(anchor, aval=aval.to_tangent_aval()))
             return [*tracers[:i], tracer_type(trace, primal, zero), *tracers[i + 1:]]
     return tracers
 
 
-# zeros of `aval`, linear in (and independent of) its operand: the transpose gives the
-# operand a zero cotangent.
+# zeros of `aval`, linear in (and independent of) its operand (a zero cotangent back)
 linear_zeros_p = Primitive("vjpmpi_linear_zeros")
 linear_zeros_p.def_impl(lambda anchor, *, aval: _zeros(aval))
 linear_zeros_p.def_abstract_eval(lambda anchor, *, aval: ShapedArray(aval.shape, aval.dtype))
@@ -284,14 +259,10 @@ def _zeros(aval):
 
 
 def keep_in_partial_eval(prim: Primitive) -> None:
-    """JaxprTrace rule for `prim`: like JAX's default, but the staged equation is
-    always kept. The old-style partial evaluator (`jax.linear_transpose`,
-    `jax.linearize`) builds its jaxpr from what the outputs reach; a collective with
-    no used output (a send, or a rank that ignores a result) would vanish on that
-    rank only. Relies on `pe.custom_partial_eval_rules`, `pe.JaxprTracer`,
-    `pe.PartialVal`, `pe.new_eqn_recipe`, `pe.EffectHandle`, the trace's
-    `effect_handles`, `parent_trace`, `instantiate_const` and
-    `_current_truncated_name_stack`."""
+    """JaxprTrace rule for `prim`: JAX's default, but the staged equation is always kept
+    (`jax.linear_transpose` / `jax.linearize` keep what the outputs reach: a collective
+    with no used output would vanish on that rank only). Relies on `pe.JaxprTracer`,
+    `pe.PartialVal`, `new_eqn_recipe`, `EffectHandle` and the trace's internals."""
 
     def rule(trace, *tracers, **params):
         known = [t.pval.get_known() for t in tracers]
@@ -302,7 +273,7 @@ def keep_in_partial_eval(prim: Primitive) -> None:
         outs = [pe.JaxprTracer(trace, pe.PartialVal.unknown(a), None) for a in out_avals]
         source = source_info_util.current().replace(
             name_stack=trace._current_truncated_name_stack())
-        eqn = _pe.new_eqn_recipe(trace, tracers, outs, prim, params, effs, source)
+        eqn = _new_eqn_recipe(trace, tracers, outs, prim, params, effs, source)
         trace.effect_handles.append(_pe.EffectHandle(tracers, eqn))
         for t in outs:
             t.recipe = eqn
@@ -311,51 +282,7 @@ def keep_in_partial_eval(prim: Primitive) -> None:
     pe.custom_partial_eval_rules[prim] = rule
 
 
-# ---------------------------------------------------------------- ordering --
-# JAX 0.11 made ClosedJaxpr an alias of Jaxpr (which holds its consts), 0.12 removed it
-_CLOSED_JAXPR = getattr(_extend_core, "ClosedJaxpr", Jaxpr)
-
-
-def _map_param(value, fn):
-    if isinstance(value, Jaxpr):
-        return fn(value)
-    if isinstance(value, _CLOSED_JAXPR):
-        return value.replace(jaxpr=fn(value.jaxpr))
-    if isinstance(value, tuple):  # also namedtuples (custom_linear_solve's `jaxprs`)
-        items = [_map_param(v, fn) for v in value]
-        return value._make(items) if hasattr(value, "_make") else type(value)(items)
-    return value
-
-
-def mark_jaxpr(jaxpr: Jaxpr, effect, own_params: Callable, contains: Callable,
-               memo: dict) -> Jaxpr:
-    """A copy of `jaxpr` in which every equation for which `own_params(eqn)` gives a dict
-    of parameters (the own primitives) gets those parameters and `effect`, and every
-    equation whose nested jaxprs `contain` one gets `effect` and marked copies of those
-    jaxprs. Relies on `Jaxpr.replace`, `JaxprEqn.replace`, `ClosedJaxpr.replace` and on
-    nested jaxprs sitting in equation params as Jaxpr, ClosedJaxpr or tuples of them
-    (`core.jaxprs_in_params` looks at the same places)."""
-    if not contains(jaxpr):
-        return jaxpr
-    hit = memo.get(jaxpr)
-    if hit is not None:
-        return hit
-
-    def mark(j):
-        return mark_jaxpr(j, effect, own_params, contains, memo)
-
-    eqns = []
-    for eqn in jaxpr.eqns:
-        extra = own_params(eqn)
-        if extra is not None:
-            eqn = eqn.replace(params={**eqn.params, **extra}, effects={*eqn.effects, effect})
-        elif any(contains(j) for j in jaxprs_in_params(eqn.params)):
-            params = {k: _map_param(v, mark) for k, v in eqn.params.items()}
-            eqn = eqn.replace(params=params, effects={*eqn.effects, effect})
-        eqns.append(eqn)
-    out = jaxpr.replace(eqns=eqns, effects={*jaxpr.effects, effect})
-    memo[jaxpr] = out
-    return out
+ClosedJaxpr = getattr(_extend_core, "ClosedJaxpr", Jaxpr)  # (0.11: = Jaxpr, 0.12: gone)
 
 
 class _Chains(threading.local):
@@ -366,26 +293,19 @@ class _Chains(threading.local):
 _chains = _Chains()
 
 
-def ordered_lowering(effect, mark: Callable, contains: Callable,
+def _ordered_lowering(effect, mark: Callable, contains: Callable,
                      unchained: Callable) -> None:
     """Make JAX's lowering thread one XLA token for `effect` through a whole module.
 
-    Wraps `mlir.jaxpr_subcomp`, the function that lowers every jaxpr (a module's main
-    function, loop bodies and conditions, branches, nested calls, the traced helpers
-    of `lower_fun` rules). Its first call for a module whose jaxpr `contains` a
-    collective replaces the jaxpr by `mark(jaxpr)`, which carries the ordered
-    `effect` on every collective and on every equation containing one, and adds a
-    fresh token for `effect` to the token set. JAX's own rules for while, cond, scan,
-    jit, remat, custom_jvp/vjp, custom_linear_solve then pass that token through
-    loop carries, branch operands and results, and call arguments and results, as
-    they do for `io_callback(ordered=True)`; the last token is dropped at the end of
-    the main function, so the compiled program takes and returns no token and keeps
-    JAX's fast dispatch. A jaxpr with a collective lowered inside the chain without
-    the token (a construct that does not pass tokens on) raises
-    `unchained(jaxpr, name_stack)`, on every JAX version. Relies on `jaxpr_subcomp`'s signature
-    `(ctx, jaxpr, name_stack, tokens, consts, *args, **kw) -> (outs, tokens)`,
-    `ctx.module`, `mlir.TokenSet` and on every JAX rule looking the function up as
-    `mlir.jaxpr_subcomp` / a module global at call time. Idempotent."""
+    Wraps `mlir.jaxpr_subcomp` (it lowers every jaxpr: main function, loop bodies,
+    branches, calls). Its first call for a module whose jaxpr `contains` a collective
+    lowers `mark(jaxpr)` (the ordered `effect` on every collective and every equation
+    holding one) with a fresh token, which JAX's rules pass through loops, branches and
+    calls as for `io_callback(ordered=True)`; the last one is dropped in the main
+    function (no token in or out: JAX's fast dispatch stays). A collective lowered in the
+    chain without the token raises `unchained(jaxpr, name_stack)`. Relies on
+    `jaxpr_subcomp`'s signature, `ctx.module`, `mlir.TokenSet` and on JAX's rules looking
+    the function up as a module global at call time. Idempotent."""
     original = _mlir.jaxpr_subcomp
     if getattr(original, "vjpmpi_guard", False):
         return
@@ -417,21 +337,18 @@ def ordered_lowering(effect, mark: Callable, contains: Callable,
 
 
 def chain_token(ctx: mlir.LoweringRuleContext, effect):
-    """The token of `effect` that this equation receives, or None outside a chain.
-    Relies on `LoweringRuleContext.tokens_in` (a `TokenSet`)."""
+    """The token of `effect` this equation receives (None outside a chain)."""
     return ctx.tokens_in.get(effect) if effect in ctx.tokens_in.effects() else None
 
 
 def set_chain_token(ctx: mlir.LoweringRuleContext, effect, token) -> None:
-    """Hand the next token of `effect` on to the following equations. Relies on
-    `LoweringRuleContext.set_tokens_out` and `TokenSet.update_tokens`."""
+    """Hand the next token of `effect` on to the following equations."""
     ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({effect: token})))
 
 
 def program_devices(ctx: mlir.LoweringRuleContext) -> int:
-    """How many devices the program being lowered runs on (>1 under a multi-device
-    jit sharding, shard_map or pmap). Relies on `module_context.axis_context` being a
-    `ShardingContext` (`num_devices`) or an `SPMDAxisContext` (`mesh`)."""
+    """How many devices the program being lowered runs on (>1: a multi-device jit
+    sharding, shard_map or pmap; `axis_context.num_devices` or `.mesh`)."""
     axis = ctx.module_context.axis_context
     n = getattr(axis, "num_devices", None)
     if n is None and getattr(axis, "mesh", None) is not None:
@@ -440,60 +357,31 @@ def program_devices(ctx: mlir.LoweringRuleContext) -> int:
 
 
 def lowering_for_export(ctx: mlir.LoweringRuleContext) -> bool:
-    """Whether the program being lowered is being exported (`jax.export`). Relies on
-    `module_context.lowering_parameters.for_export` (0.7.1 and later)."""
+    """Whether the program being lowered is being exported (`jax.export`)."""
     return bool(getattr(ctx.module_context.lowering_parameters, "for_export", False))
 
 
-def carry_while_predicate(cond_communicates: Callable) -> None:
-    """vmap of a `while_loop` whose condition communicates: batch an equivalent loop
-    that evaluates the condition at the end of the body and carries the predicate,
-    `p = cond(c); while any(p): c = where(p, body(c), c); p = where(p, cond(c), p)`.
-
-    JAX lowers a condition holding an ordered effect (vjpmpi's chain) by moving it
-    into the body, which drops the per-member select of a batched predicate: members
-    already done would go on iterating. Its batching rule for a carried predicate
-    (a condition with no collective) keeps the select, and the condition's
-    collectives then sit in the body, on the chain; every rank evaluates the
-    condition as often as before. Relies on `batching.fancy_primitive_batchers`,
-    `loops.while_p` and its params (`cond_jaxpr`, `body_jaxpr`, `cond_nconsts`,
-    `body_nconsts`), `batching.AxisData` (`size`, `name`, `spmd_name`) and
-    `core.eval_jaxpr`. Idempotent."""
+def _carry_while_predicate(cond_communicates: Callable, batched: Callable) -> None:
+    """vmap of a `while_loop` whose condition communicates: `batched(axis_data, args,
+    dims, **params)`, a loop that carries its predicate. JAX lowers a condition holding
+    an ordered effect by moving it into the body, which drops the per-member select of a
+    batched predicate (members done would go on); its rule for a carried predicate keeps
+    it. Relies on `batching.fancy_primitive_batchers` and `while_p`'s params. Idempotent."""
     original = batching.fancy_primitive_batchers[jax.lax.while_p]
     if getattr(original, "vjpmpi_guard", False):
         return
 
-    def rule(axis_data, args, dims, *, cond_nconsts, cond_jaxpr, body_nconsts, body_jaxpr):
-        if not cond_communicates(cond_jaxpr.jaxpr):
-            return original(axis_data, args, dims, cond_nconsts=cond_nconsts,
-                            cond_jaxpr=cond_jaxpr, body_nconsts=body_nconsts,
-                            body_jaxpr=body_jaxpr)
-
-        def loop(*vals):
-            cconsts = vals[:cond_nconsts]
-            bconsts = vals[cond_nconsts:cond_nconsts + body_nconsts]
-            init = vals[cond_nconsts + body_nconsts:]
-
-            def pred(carry):
-                return eval_jaxpr(cond_jaxpr.jaxpr, cond_jaxpr.consts, *cconsts, *carry)[0]
-
-            def body(state):
-                carry = eval_jaxpr(body_jaxpr.jaxpr, body_jaxpr.consts, *bconsts, *state[1])
-                return pred(carry), carry
-
-            return jax.lax.while_loop(lambda state: state[0], body, (pred(init), list(init)))[1]
-
-        outs = jax.vmap(loop, in_axes=tuple(dims), axis_size=axis_data.size,
-                        axis_name=axis_data.name, spmd_axis_name=axis_data.spmd_name)(*args)
-        return outs, [0] * len(outs)
+    def rule(axis_data, args, dims, **params):
+        if cond_communicates(params["cond_jaxpr"].jaxpr):
+            return batched(axis_data, args, dims, **params)
+        return original(axis_data, args, dims, **params)
 
     rule.vjpmpi_guard = True
     batching.fancy_primitive_batchers[jax.lax.while_p] = rule
 
 
-# ----------------------------------------------------- outside the chain --
 class _Callbacks(threading.local):
-    depth = 0
+    depth = 0  # the host callbacks running on this thread
 
 
 _callbacks = _Callbacks()
@@ -511,12 +399,10 @@ def _counting(fn):
     return wrapper
 
 
-def track_host_callbacks() -> None:
-    """Count the host callbacks running on this thread, so that `inside_host_callback`
-    can tell. pure_callback and io_callback run the user's function through
-    `callback._FlatCallback.__call__`; jax.debug.callback through
-    `debugging.debug_callback_impl`, which JAX's lowering looks up as a module global
-    at call time. Idempotent."""
+def _track_host_callbacks() -> None:
+    """Count the host callbacks running on this thread: pure_callback and io_callback
+    run through `_FlatCallback.__call__`, jax.debug.callback through
+    `debug_callback_impl` (a module global looked up at call time). Idempotent."""
     from jax._src import callback, debugging
 
     if not getattr(callback._FlatCallback.__call__, "vjpmpi_guard", False):
@@ -526,10 +412,38 @@ def track_host_callbacks() -> None:
 
 
 def inside_host_callback() -> bool:
-    """Whether this thread is running a JAX host callback (see `track_host_callbacks`)."""
+    """Whether this thread is running a JAX host callback."""
     return _callbacks.depth > 0
 
 
 def exported_text(exported) -> str:
     """The StableHLO text of a `jax.export.Exported` (public API: `mlir_module()`)."""
     return str(exported.mlir_module())
+
+
+_installed = False
+
+
+def install(*, ordered, linearized, communicates: Callable,
+            binds_collective: Callable, is_own: Callable, contains: Callable, mark: Callable,
+            unchained: Callable, batched_while: Callable) -> None:
+    """Put vjpmpi's patches into JAX (the module docstring lists them), once; a second
+    call does nothing. `ordered` / `linearized`: the chain's effect and that of tangent
+    collectives; `communicates(eqn)`, `binds_collective(prim, params)`, `is_own(prim)`,
+    `contains(jaxpr)`: what holds a collective; `mark(jaxpr)`: the program on the chain;
+    `unchained(jaxpr, where)`: the error for a collective lowered off the chain;
+    `batched_while`: vmap of a loop whose condition communicates."""
+    global _installed
+    if _installed:
+        return
+    _register_effect(type(ordered), ordered=True)
+    _register_effect(type(linearized), ordered=False)
+    _guard_dce_rules(communicates, is_own)  # (the one scan of JAX's DCE rules)
+    _keep_traced_equations(communicates)
+    # Every rank runs every tangent collective (and so its transpose), also where its
+    # inputs do not depend on what is differentiated.
+    _run_tangent_rules(binds_collective)
+    _track_host_callbacks()
+    _ordered_lowering(ordered, mark, contains, unchained)
+    _carry_while_predicate(contains, batched_while)
+    _installed = True

@@ -102,7 +102,12 @@ _checked: dict[int, CommRef] = {}
 
 
 def as_comm(comm: Any, op: str) -> CommRef:
-    """Validate `comm` for op `op` and return its static record."""
+    """Validate `comm` for op `op` and return its static record (a record given, one
+    resolved at the public edge already, is returned as it is)."""
+    if type(comm) is CommRef:
+        if MPI.Is_finalized():
+            raise RuntimeError(f"vjpmpi.{op}: MPI has been finalized; no collective can run")
+        return comm
     if comm is None:
         comm = _default.comm if _default is not None else default_comm()
     ref = _checked.get(getattr(comm, "handle", None))
@@ -159,7 +164,10 @@ SUM, PROD, MAX, MIN, LAND, LOR, LXOR, BAND, BOR, BXOR = (
 
 
 def as_red(op: Any, name: str) -> int:
-    """The reduction code of `op` (an `MPI.Op` such as `MPI.SUM`, or its name)."""
+    """The reduction code of `op` (an `MPI.Op` such as `MPI.SUM`, or its name; a code
+    given, one converted at the public edge already, is returned as it is)."""
+    if type(op) is Reduction:
+        return op
     if isinstance(op, str):
         key = op.upper()
         if key in RED_NAMES:

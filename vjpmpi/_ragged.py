@@ -16,10 +16,12 @@ import operator
 import jax
 import jax.numpy as jnp
 
-from ._collective import Collective, bind, make_primitive
+from ._bind import bind
+from ._derive import make_primitive
 from ._jax_compat import ShapedArray, Zero, instantiate_zeros, is_undefined_primal
 from ._mpi import as_comm
-from ._ops import _array, _rank
+from ._primitive import Collective
+from ._validate import array, rank
 
 __all__ = ["ragged_alltoall", "alltoallv", "allgatherv", "gatherv", "scatterv"]
 
@@ -135,7 +137,7 @@ _PRIM, _LIN = zip(*(make_primitive(s) for s in _SPECS))
 
 # ----------------------------------------------------------------- checks --
 def _rows(x, op, arg):
-    x = _array(x, op, arg)
+    x = array(x, op, arg)
     if x.ndim == 0:
         raise ValueError(f"vjpmpi.{op}: argument '{arg}' must have a leading axis of rows, "
                          "got a scalar")
@@ -148,7 +150,7 @@ def _rows(x, op, arg):
 def _ints(x, op, arg, shape):
     """An integer array of `shape`, as int32 (values past int32 clipped, so that they
     stay out of range for the kernel's checks instead of wrapping into range)."""
-    x = _array(x, op, arg)
+    x = array(x, op, arg)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"vjpmpi.{op}: argument '{arg}' must be an integer array, "
                         f"got dtype {x.dtype}")
@@ -328,7 +330,7 @@ def gatherv(x, count, *, root: int, capacity: int, comm=None) -> tuple[jax.Array
     """
     op = "gatherv"
     c = as_comm(comm, op)
-    root = _rank(root, c, op, "root")
+    root = rank(root, c, op, "root")
     x = _rows(x, op, "x")
     k = _ints(count, op, "count", ())
     zero = jnp.zeros(c.size, jnp.int32)
@@ -366,7 +368,7 @@ def scatterv(x, counts, *, root: int, capacity: int, comm=None) -> tuple[jax.Arr
     """
     op = "scatterv"
     c = as_comm(comm, op)
-    root = _rank(root, c, op, "root")
+    root = rank(root, c, op, "root")
     x = _rows(x, op, "x")
     given = _ints(counts, op, "counts", (c.size,))
     zero = jnp.zeros(c.size, jnp.int32)

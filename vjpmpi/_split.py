@@ -25,8 +25,12 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _jax_compat as jc
-from . import _collective as cv
-from ._collective import ORDERED, Collective
+from ._bind import eager
+from ._lowering import chained_call, ffi_attrs
+from ._ordering import LOWERING_CHECKS
+from ._p2p import prepare
+from ._primitive import LIN_OF, ORDERED, SPEC_OF, Collective, contains_collective, register
+from ._rules import batch, tangents_out, transpose
 
 _SLOTS = itertools.count(1)  # (the start's number in this process: its wait names it)
 _LOCK = threading.Lock()
@@ -66,7 +70,8 @@ def start(op: Callable, *args: Any, **kwargs: Any) -> Pending:
 
     Shape: `op`'s, at the wait. Transpose: `op`'s transpose, at the start.
     """
-    if not any(op is f for f in _ops()):
+    prepare_call = next((f for o, f in prepare.items() if op is o), None)
+    if prepare_call is None:
         if _name(op).startswith("vjpmpi."):
             raise NotImplementedError(
                 f"vjpmpi.start: {_name(op)} cannot be split; only vjpmpi.send, recv and "
@@ -74,25 +79,18 @@ def start(op: Callable, *args: Any, **kwargs: Any) -> Pending:
                 "vjpmpi.async_threshold.")
         raise TypeError(f"vjpmpi.start: argument 'op' must be vjpmpi.send, vjpmpi.recv or "
                         f"vjpmpi.sendrecv itself (its result is the call's), not {_name(op)}")
-    calls = []
-
-    def hook(prim, arrays, comm, params):
-        spec = cv._SPEC_OF[prim]
-        if params.get("status", 0):
-            raise NotImplementedError(
-                f"vjpmpi.start: argument 'status' of vjpmpi.{spec.name} is not supported "
-                "in a started call")
-        if params.get("source") == MPI.ANY_SOURCE:  # (the check's header and the data
-            raise NotImplementedError(               # could come from two senders)
-                f"vjpmpi.start: argument 'source' of vjpmpi.{spec.name} must name a rank "
-                "(or MPI.PROC_NULL) in a started call, not MPI.ANY_SOURCE")
-        calls.append((prim, list(arrays), comm, params))
-        return [None] * len(spec.out_avals(params, *[jax.typeof(a) for a in arrays]))
-
-    with cv.captured(hook):
-        op(*args, **kwargs)
-    prim, arrays, comm, params = calls[0]
-    name = cv._SPEC_OF[prim].name
+    started = prepare_call(*args, **kwargs)  # (checked, converted: not bound)
+    prim, arrays, comm, params = started.prim, started.arrays, started.comm, started.params
+    spec = SPEC_OF[prim]
+    if params.get("status", 0):
+        raise NotImplementedError(
+            f"vjpmpi.start: argument 'status' of vjpmpi.{spec.name} is not supported "
+            "in a started call")
+    if params.get("source") == MPI.ANY_SOURCE:  # (the check's header and the data
+        raise NotImplementedError(               # could come from two senders)
+            f"vjpmpi.start: argument 'source' of vjpmpi.{spec.name} must name a rank "
+            "(or MPI.PROC_NULL) in a started call, not MPI.ANY_SOURCE")
+    name = spec.name
     if jc.outside_traces():
         state, params = _start_eagerly(prim, arrays, comm, params)
         return Pending(name, state, params, eager=True)
@@ -129,7 +127,7 @@ def wait(pending: Pending) -> Any:
     if pending._eager:
         pending._waited = True
         outs = _wait_eagerly(pending._state, pending._params)
-        return outs[0] if cv._SPEC_OF[pending._params["inner"]].alias is not None else None
+        return outs[0] if SPEC_OF[pending._params["inner"]].alias is not None else None
     if jc.outside_traces() or jc.trace_state() != pending._trace:
         raise ValueError(
             f"vjpmpi.wait: the {pending._name} was started in another function or trace "
@@ -143,12 +141,6 @@ def wait(pending: Pending) -> Any:
 def _name(op) -> str:
     name = getattr(op, "__qualname__", None) or repr(op)
     return f"vjpmpi.{name}" if getattr(op, "__module__", "").startswith("vjpmpi") else name
-
-
-def _ops():
-    from . import _ops as ops
-
-    return (ops.send, ops.recv, ops.sendrecv)
 
 
 # ----------------------------------------------------------------- primitives --
@@ -167,7 +159,7 @@ def _start_abstract(*avals, ordered=False, **params):
 
 def _wait_abstract(*avals, inner, ordered=False, sig=0, invalid=0, note=0, slot=0, comm=None,
                    **params):
-    outs = cv._SPEC_OF[inner].out_avals(params, *avals)
+    outs = SPEC_OF[inner].out_avals(params, *avals)
     if slot < 0 and not outs:  # (an eager send's wait: a result to block on)
         outs = [jc.ShapedArray((0,), np.uint8)]
     return outs, _effects(ordered)
@@ -192,7 +184,7 @@ def _start_eagerly(prim, arrays, comm, params) -> tuple[list, dict]:
     params = {"inner": prim, "slot": slot, "comm": comm, **params}
     try:
         with jax.disable_jit(False):  # (compiled whatever the caller's setting)
-            state = cv._eager(start_p, params)(*arrays)
+            state = eager(start_p, params)(*arrays)
     except BaseException:
         _release(slot)
         raise
@@ -202,7 +194,7 @@ def _start_eagerly(prim, arrays, comm, params) -> tuple[list, dict]:
 def _wait_eagerly(state, params) -> list:
     try:
         with jax.disable_jit(False):
-            return jax.block_until_ready(cv._eager(wait_p, params)(*state))
+            return jax.block_until_ready(eager(wait_p, params)(*state))
     finally:
         _release(params["slot"])
 
@@ -235,7 +227,7 @@ wait_p.def_impl(_wait_impl)
 def _inner(params):
     """(the op's spec, its own parameters) from a start_p/wait_p equation's."""
     p = dict(params)
-    spec = cv._SPEC_OF[p.pop("inner")]
+    spec = SPEC_OF[p.pop("inner")]
     p.pop("slot")
     return spec, p
 
@@ -243,8 +235,8 @@ def _inner(params):
 def _lower_start(ctx, *args, **params):  # -> vjpmpi_<op>_start: (operands, token) -> token
     spec, inner = _inner(params)
     _cpu_only(ctx, spec)
-    attrs = {**cv.ffi_attrs(ctx, spec, inner), "slot": np.int64(params["slot"])}
-    cv.chained_call(ctx, spec, f"vjpmpi_{spec.ffi_target()}_start", args, ctx.avals_in, [],
+    attrs = {**ffi_attrs(ctx, spec, inner), "slot": np.int64(params["slot"])}
+    chained_call(ctx, spec, f"vjpmpi_{spec.ffi_target()}_start", args, ctx.avals_in, [],
                     attrs)
     return list(args)
 
@@ -254,7 +246,7 @@ def _lower_wait(ctx, *state, **params):  # -> vjpmpi_wait(_send): token -> (resu
     _cpu_only(ctx, spec)
     target = "vjpmpi_wait" if ctx.avals_out else "vjpmpi_wait_send"
     attrs = {"comm": np.int64(inner["comm"].id), "slot": np.int64(params["slot"])}
-    return cv.chained_call(ctx, spec, target, [], [], ctx.avals_out, attrs)
+    return chained_call(ctx, spec, target, [], [], ctx.avals_out, attrs)
 
 
 def _cpu_only(ctx, spec: Collective):
@@ -277,7 +269,7 @@ def _start_jvp(primals, tangents, **params):
     spec, inner = _inner(params)
     state = start_p.bind(*primals, **params)
     avals = spec.out_avals(inner, *[jax.typeof(p) for p in primals])
-    t_outs = cv.tangents_out(cv.LIN_OF[params["inner"]], spec, primals, tangents, avals,
+    t_outs = tangents_out(LIN_OF[params["inner"]], spec, primals, tangents, avals,
                              inner)
     t_state = list(tangents)
     k = _slot_of_result(spec)
@@ -296,7 +288,7 @@ def _wait_jvp(primals, tangents, **params):
 def _start_transpose(cts, *args, **params):
     spec, inner = _inner(params)
     k = _slot_of_result(spec)
-    back = cv.transpose(spec, [] if k is None else [cts[k]], *args, **inner)
+    back = transpose(spec, [] if k is None else [cts[k]], *args, **inner)
     out = []
     for i, (a, b) in enumerate(zip(args, back, strict=True)):  # (+ what passed through)
         passed = cts[i] if i != k and jc.is_undefined_primal(a) else None
@@ -323,7 +315,7 @@ def _wait_transpose(cts, *state, **params):
 
 def _batch(prim, args, dims, **params):
     spec, _ = _inner(params)
-    return cv._batch(prim, spec, args, dims, **params)
+    return batch(prim, spec, args, dims, **params)
 
 
 for _p, _jvp, _t in [(start_p, _start_jvp, _start_transpose),
@@ -332,7 +324,7 @@ for _p, _jvp, _t in [(start_p, _start_jvp, _start_transpose),
     jc.primitive_transposes[_p] = _t
     jc.primitive_batchers[_p] = lambda args, dims, _p=_p, **params: _batch(_p, args, dims,
                                                                          **params)
-    cv.register(_p, Collective(_p.name.removeprefix("vjpmpi_"), lambda p, *a: [],
+    register(_p, Collective(_p.name.removeprefix("vjpmpi_"), lambda p, *a: [],
                                point_to_point=True))
 
 
@@ -348,18 +340,18 @@ def _check_pairs(jaxpr: jc.Jaxpr) -> None:
         elif eqn.primitive is wait_p:
             waits[eqn.params["slot"]] = eqn
         for j in jc.jaxprs_in_params(eqn.params):
-            if cv.contains_collective(j):
+            if contains_collective(j):
                 _check_pairs(j)
     for slot in starts.keys() - waits.keys():
-        name = cv._SPEC_OF[starts[slot].params["inner"]].name
+        name = SPEC_OF[starts[slot].params["inner"]].name
         raise ValueError(
             f"vjpmpi.start: a started {name} has no vjpmpi.wait in the same function (or "
             "loop or branch body); every started call must be waited for there, on every "
             "rank")
     for slot in waits.keys() - starts.keys():
-        name = cv._SPEC_OF[waits[slot].params["inner"]].name
+        name = SPEC_OF[waits[slot].params["inner"]].name
         raise ValueError(f"vjpmpi.wait: the started {name}'s vjpmpi.start is in another "
                          "function (or loop or branch body); call both in the same one")
 
 
-cv.LOWERING_CHECKS.append(_check_pairs)
+LOWERING_CHECKS.append(_check_pairs)

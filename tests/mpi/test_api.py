@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import vjpmpi
-from vjpmpi import _collective, _ops
+from vjpmpi import _primitive
 
 from helpers import WORLD
 from hlo_order import assert_ordered, collective_sequence
@@ -235,7 +235,7 @@ def test_in_place_aliasing_in_hlo():
 
 # ---------------------------------------------------------------- machinery --
 def test_every_op_is_one_spec_and_one_primitive():
-    assert set(_ops.SPECS) == set(_ops.PRIMITIVES) == set(_ops.LINEARIZED) == {
+    assert set(_primitive.SPECS) == set(_primitive.PRIMITIVES) == set(_primitive.LINEARIZED_PRIMITIVES) == {
         "allreduce", "reduce", "bcast", "allgather", "gather", "scatter", "alltoall",
         "reduce_scatter", "scan", "exscan", "send", "recv", "sendrecv", "barrier",
         "sum_replicated", "use_replicated",
@@ -244,10 +244,10 @@ def test_every_op_is_one_spec_and_one_primitive():
         # private: the ranks agree on a composite's global shape (vjpmpi.fft); an
         # ordered identity without MPI (vjpmpi.nn's pipeline)
         "agree", "hold"}
-    for name, prim in _ops.PRIMITIVES.items():
+    for name, prim in _primitive.PRIMITIVES.items():
         assert prim.name == f"vjpmpi_{name}"
-        assert _ops.LINEARIZED[name].name == f"vjpmpi_{name}_lin"
-        assert prim in _collective._PRIMITIVES and _ops.LINEARIZED[name] in _collective._PRIMITIVES
+        assert _primitive.LINEARIZED_PRIMITIVES[name].name == f"vjpmpi_{name}_lin"
+        assert prim in _primitive.COLLECTIVES and _primitive.LINEARIZED_PRIMITIVES[name] in _primitive.COLLECTIVES
 
 
 def test_forward_programs_carry_no_effect():

@@ -17,7 +17,7 @@ from jax import export
 from mpi4py import MPI
 
 import vjpmpi
-from vjpmpi import _kernels, _ops
+from vjpmpi import _kernels, _sync
 
 from helpers import WORLD
 from test_api import assert_chain, chain
@@ -57,7 +57,7 @@ OPS = {
     "sum_replicated": (vjpmpi.sum_replicated, (4, 3)),
     "use_replicated": (lambda v: vjpmpi.use_replicated(v) * 2.0, (4, 3)),
     # private: vjpmpi.nn's pipeline holds values with it
-    "hold": (lambda v: _ops.hold(v * 2.0, None), (4, 3)),
+    "hold": (lambda v: _sync.hold(v * 2.0, None), (4, 3)),
 }
 
 

@@ -19,7 +19,7 @@ import pytest
 from mpi4py import MPI
 
 import vjpmpi
-from vjpmpi import _ops
+from vjpmpi import _primitive
 
 from helpers import BF16, WORLD, compiled, gdot, normal, rng
 
@@ -443,7 +443,7 @@ def recurrences():
 
     def program(inputs):
         name = {False: "recurrence", True: "recurrence_reversed"}
-        return {f"{d}/{r}": _ops.PRIMITIVES[name[r]].bind(*inputs[d], comm=comm)[0]
+        return {f"{d}/{r}": _primitive.PRIMITIVES[name[r]].bind(*inputs[d], comm=comm)[0]
                 for d, r in keys}
     out = jax.jit(program)(inputs)
     return {(d, r): np.asarray(out[f"{d}/{r}"]) for d, r in keys}
@@ -489,7 +489,7 @@ def others_products():
     """{(dtype, n): result} of every case below, in one compiled program."""
     comm = vjpmpi._mpi.as_comm(None, "test")
     inputs = {f"{d}/{n}": others_product_input(d, n) for d, n in OTHERS_PRODUCT_CASES}
-    out = jax.jit(lambda xs: {k: _ops.PRIMITIVES["others_product"].bind(v, comm=comm)[0]
+    out = jax.jit(lambda xs: {k: _primitive.PRIMITIVES["others_product"].bind(v, comm=comm)[0]
                               for k, v in xs.items()})(inputs)
     return {(d, n): np.asarray(out[f"{d}/{n}"]) for d, n in OTHERS_PRODUCT_CASES}
 

@@ -271,7 +271,7 @@ def test_hold_is_an_ordered_identity_without_mpi():
     odd ones); in what XLA compiles a custom call on the collectives' one chain, in
     place (its result aliases its operand); at run time no MPI call (no trace entry, no
     kernel call counted) and never asynchronous (threshold 0)."""
-    from vjpmpi import _kernels, _ops
+    from vjpmpi import _kernels, _sync
     from hlo_order import assert_ordered
 
     x = np.random.default_rng(rank).standard_normal((5, 4))  # (rank-dependent)
@@ -280,7 +280,7 @@ def test_hold_is_an_ordered_identity_without_mpi():
         def f(v):
             a = vjpmpi.allreduce(v * (rank + 1.0), MPI.SUM)
             h = jnp.sin(a)
-            h = _ops.hold(h, None) if held else h
+            h = _sync.hold(h, None) if held else h
             return vjpmpi.bcast(h * a, size - 1) + h
         return f
 

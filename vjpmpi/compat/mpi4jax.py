@@ -17,7 +17,7 @@ messages, the CUDA backend. The README's "Coming from mpi4jax" lists every diffe
 
 from mpi4py import MPI
 
-from .. import _kernels, _mpi, _ops
+from .. import _kernels, _movement, _mpi, _p2p, _reductions, _replicated, _sync
 
 __all__ = ["allgather", "allreduce", "alltoall", "barrier", "bcast", "gather", "recv",
            "reduce", "scan", "scatter", "send", "sendrecv", "has_cuda_support",
@@ -49,8 +49,8 @@ def allreduce(x, op, *, comm=None, token=NOTSET):
     """
     _no_token("allreduce", token)
     if _mpi.as_red(op, "allreduce") == _mpi.SUM:
-        return _ops.sum_replicated(x, comm=comm)
-    return _ops.allreduce(x, op, comm=comm)
+        return _replicated.sum_replicated(x, comm=comm)
+    return _reductions.allreduce(x, op, comm=comm)
 
 
 def reduce(x, op, root, *, comm=None, token=NOTSET):
@@ -60,7 +60,7 @@ def reduce(x, op, root, *, comm=None, token=NOTSET):
     Transpose (SUM): bcast from `root`, plus the identity elsewhere (mpi4jax has none).
     """
     _no_token("reduce", token)
-    return _ops.reduce(x, op, root, comm=comm)
+    return _reductions.reduce(x, op, root, comm=comm)
 
 
 def bcast(x, root, *, comm=None, token=NOTSET):
@@ -70,7 +70,7 @@ def bcast(x, root, *, comm=None, token=NOTSET):
     Transpose: reduce(SUM) onto `root` (mpi4jax has none).
     """
     _no_token("bcast", token)
-    return _ops.bcast(x, root, comm=comm)
+    return _movement.bcast(x, root, comm=comm)
 
 
 def allgather(x, *, comm=None, token=NOTSET):
@@ -80,7 +80,7 @@ def allgather(x, *, comm=None, token=NOTSET):
     Transpose: reduce_scatter(SUM) (mpi4jax has none).
     """
     _no_token("allgather", token)
-    return _ops.allgather(x, comm=comm)
+    return _movement.allgather(x, comm=comm)
 
 
 def gather(x, root, *, comm=None, token=NOTSET):
@@ -90,7 +90,7 @@ def gather(x, root, *, comm=None, token=NOTSET):
     Transpose: scatter from `root`, plus the identity elsewhere (mpi4jax has none).
     """
     _no_token("gather", token)
-    return _ops.gather(x, root, comm=comm)
+    return _movement.gather(x, root, comm=comm)
 
 
 def scatter(x, root, *, comm=None, token=NOTSET):
@@ -100,7 +100,7 @@ def scatter(x, root, *, comm=None, token=NOTSET):
     Transpose: gather onto `root` (mpi4jax has none).
     """
     _no_token("scatter", token)
-    return _ops.scatter(x, root, comm=comm)
+    return _movement.scatter(x, root, comm=comm)
 
 
 def alltoall(x, *, comm=None, token=NOTSET):
@@ -110,7 +110,7 @@ def alltoall(x, *, comm=None, token=NOTSET):
     Transpose: alltoall (mpi4jax has none).
     """
     _no_token("alltoall", token)
-    return _ops.alltoall(x, comm=comm)
+    return _movement.alltoall(x, comm=comm)
 
 
 def scan(x, op, *, comm=None, token=NOTSET):
@@ -120,7 +120,7 @@ def scan(x, op, *, comm=None, token=NOTSET):
     Transpose (SUM): the inclusive suffix sum (mpi4jax has none).
     """
     _no_token("scan", token)
-    return _ops.scan(x, op, comm=comm)
+    return _reductions.scan(x, op, comm=comm)
 
 
 def send(x, dest, *, tag=0, comm=None, token=NOTSET):
@@ -130,7 +130,7 @@ def send(x, dest, *, tag=0, comm=None, token=NOTSET):
     Transpose: recv from `dest` (mpi4jax has none).
     """
     _no_token("send", token)
-    _ops.send(x, dest, tag=tag, comm=comm)
+    _p2p.send(x, dest, tag=tag, comm=comm)
     return []
 
 
@@ -141,7 +141,7 @@ def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None, t
     Transpose: send to `source` (needs an explicit `source`; mpi4jax has none).
     """
     _no_token("recv", token)
-    return _ops.recv(x, source, tag=tag, comm=comm, status=status)
+    return _p2p.recv(x, source, tag=tag, comm=comm, status=status)
 
 
 def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, comm=None,
@@ -153,14 +153,14 @@ def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, 
     goes back to the sender); `jax.jvp` and `vmap` work too (not in mpi4jax).
     """
     _no_token("sendrecv", token)
-    return _ops.sendrecv(sendbuf, recvbuf, source, dest, sendtag=sendtag, recvtag=recvtag,
+    return _p2p.sendrecv(sendbuf, recvbuf, source, dest, sendtag=sendtag, recvtag=recvtag,
                          comm=comm, status=status)
 
 
 def barrier(*, comm=None, token=NOTSET):
     """Wait until every rank of `comm` has reached it. Returns an empty list, as mpi4jax does."""
     _no_token("barrier", token)
-    _ops.barrier(comm=comm)
+    _sync.barrier(comm=comm)
     return []
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from .._mpi import CommRef
-from .._ops import use_replicated
+from .._replicated import use_replicated
 from ._linear import ColumnParallelLinear, RowParallelLinear
 from ._sequence import gather_sequence, scatter_sequence_sum
 from ._shard import block, comm_ref
@@ -66,7 +66,7 @@ class ParallelMultiheadAttention(eqx.Module):
             dense = eqx.nn.MultiheadAttention(num_heads, query_size, key=key, **kwargs)
         self.comm = comm_ref(comm, "ParallelMultiheadAttention")
         block(dense.num_heads, self.comm, "ParallelMultiheadAttention", "num_heads")
-        c = self.comm.comm
+        c = self.comm
         self.query_proj = ColumnParallelLinear.from_dense(dense.query_proj, c)
         self.key_proj = ColumnParallelLinear.from_dense(dense.key_proj, c)
         self.value_proj = ColumnParallelLinear.from_dense(dense.value_proj, c)
@@ -101,7 +101,7 @@ class ParallelMultiheadAttention(eqx.Module):
                  ) -> Float[Array, "q_seq o_size"]:
         if deterministic is not None:
             inference = deterministic
-        c = self.comm.comm
+        c = self.comm
         # one use_replicated per distinct input array: one backward allreduce each
         xq = use_replicated(query, comm=c)
         xk = xq if key_ is query else use_replicated(key_, comm=c)
@@ -121,11 +121,11 @@ class ParallelMultiheadAttention(eqx.Module):
         Shape: `(seq / size, query_size)` -> `(seq / size, output_size)`.
         Transpose: the allgather reduce-scatters backward, the reduce_scatter allgathers.
         """
-        full = gather_sequence(x, self.comm.comm)
+        full = gather_sequence(x, self.comm)
         attn = self._attend(full, full, full, mask, key, inference, process_heads)
-        out = scatter_sequence_sum(jax.vmap(self.output_proj.partial)(attn), self.comm.comm)
+        out = scatter_sequence_sum(jax.vmap(self.output_proj.partial)(attn), self.comm)
         bias = self.output_proj.bias  # replicated, added to every block: its gradient sums
-        return out if bias is None else out + use_replicated(bias, comm=self.comm.comm)
+        return out if bias is None else out + use_replicated(bias, comm=self.comm)
 
     def _attend(self, xq, xk, xv, mask, key, inference, process_heads):
         """This rank's heads' attention, `(q_seq, heads / size * vo_size)`, from inputs

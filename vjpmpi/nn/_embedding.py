@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._mpi import CommRef
-from .._ops import sum_replicated
+from .._replicated import sum_replicated
 from ._shard import block, comm_ref, gather_blocks
 
 
@@ -50,4 +50,4 @@ class VocabParallelEmbedding(eqx.Module):
         mine = (ids >= start) & (ids < stop)
         local = jnp.where(mine, ids - start, 0)
         vectors = jnp.where(mine[..., None], self.weight[local], 0)
-        return sum_replicated(vectors, comm=self.comm.comm)
+        return sum_replicated(vectors, comm=self.comm)

@@ -10,7 +10,7 @@ from mpi4py import MPI
 from .._composite import ordered_collective
 from .._grid import ProcessGrid, topology
 from .._mpi import CommRef
-from .._ops import _sendrecv
+from .._p2p import prepare_sendrecv
 
 
 def _cart_topology(cart, layer: str):
@@ -48,12 +48,11 @@ def _exchange(u, *, comm, width, neighbours, ndim, invalid=None):
         tmpl_lo = low if source != MPI.PROC_NULL else 0 * low
         tmpl_hi = high if dest != MPI.PROC_NULL else 0 * high
         # Shift +1: send high edge to dest, receive my low halo from source.
-        halo_lo = _sendrecv(high, tmpl_lo, source, dest,
-                            sendtag=2 * axis, recvtag=2 * axis, comm=comm, invalid=invalid)
+        (halo_lo,) = prepare_sendrecv(high, tmpl_lo, source, dest, sendtag=2 * axis,
+                                      recvtag=2 * axis, comm=comm, invalid=invalid).run()
         # Shift -1: send low edge to source, receive my high halo from dest.
-        halo_hi = _sendrecv(low, tmpl_hi, dest, source,
-                            sendtag=2 * axis + 1, recvtag=2 * axis + 1, comm=comm,
-                            invalid=invalid)
+        (halo_hi,) = prepare_sendrecv(low, tmpl_hi, dest, source, sendtag=2 * axis + 1,
+                                      recvtag=2 * axis + 1, comm=comm, invalid=invalid).run()
         # Axis 1 pads the array already padded on axis 0, so corners get filled.
         u = jnp.concatenate([halo_lo, u, halo_hi], axis=ax)
     return u
@@ -105,7 +104,7 @@ class HaloExchange(eqx.Module):
             invalid = (f"vjpmpi.nn.HaloExchange: on rank {self.comm.rank}, the block shape "
                        f"{block} is smaller than the halo width {self.width} (the neighbours "
                        "that wait for its halos cannot check it)")
-        return _exchange(u, comm=self.comm.comm, width=self.width,
+        return _exchange(u, comm=self.comm, width=self.width,
                          neighbours=self.neighbours, ndim=nd, invalid=invalid)
 
 

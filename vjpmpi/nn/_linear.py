@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._mpi import CommRef
-from .._ops import sum_replicated, use_replicated
+from .._replicated import sum_replicated, use_replicated
 from ._shard import block, comm_ref, gather_blocks
 
 
@@ -96,14 +96,14 @@ class ColumnParallelLinear(_ShardedLinear):
         return y if self.bias is None else y + self.bias
 
     def __call__(self, x: Float[Array, " in"], *, key=None) -> Float[Array, " out"]:
-        y = self.local(use_replicated(x, comm=self.comm.comm))
+        y = self.local(use_replicated(x, comm=self.comm))
         if not self.gather_output:
             return y
         # Place the block in a zero vector and sum over ranks: a replicated gather
         # whose backward hands each rank its slice of the replicated cotangent.
         start, _ = self._block()
         full = jax.lax.dynamic_update_slice(jnp.zeros((self.out_features,), y.dtype), y, (start,))
-        return sum_replicated(full, comm=self.comm.comm)
+        return sum_replicated(full, comm=self.comm)
 
 
 class RowParallelLinear(_ShardedLinear):
@@ -132,6 +132,6 @@ class RowParallelLinear(_ShardedLinear):
     def __call__(self, x: Float[Array, " in"], *, key=None) -> Float[Array, " out"]:
         if not self.input_is_parallel:
             start, stop = self._block()
-            x = use_replicated(x, comm=self.comm.comm)[start:stop]
-        y = sum_replicated(self.weight @ x, comm=self.comm.comm)
+            x = use_replicated(x, comm=self.comm)[start:stop]
+        y = sum_replicated(self.weight @ x, comm=self.comm)
         return y if self.bias is None else y + self.bias

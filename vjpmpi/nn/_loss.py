@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .._mpi import RED_NAMES, MAX
-from .._ops import allreduce, sum_replicated
+from .._mpi import MAX
+from .._reductions import allreduce
+from .._replicated import sum_replicated
 from ._shard import block, comm_ref
 
 
@@ -37,13 +38,13 @@ def vocab_parallel_cross_entropy(logits_shard: Float[Array, "... vocab_block"],
     def parts(logits, labels):
         # the maximum only shifts the exponentials; the rule below differentiates the
         # loss directly, so no derivative runs through it
-        top = allreduce(jnp.max(logits, axis=-1), RED_NAMES[MAX], comm=ref.comm)
+        top = allreduce(jnp.max(logits, axis=-1), MAX, comm=ref)
         shifted = logits - top[..., None]
         local = labels - start
         mine = (local >= 0) & (local < width)
         picked = jnp.take_along_axis(shifted, jnp.where(mine, local, 0)[..., None], -1)[..., 0]
         sums = sum_replicated(jnp.stack([jnp.sum(jnp.exp(shifted), axis=-1),
-                                         jnp.where(mine, picked, 0)]), comm=ref.comm)
+                                         jnp.where(mine, picked, 0)]), comm=ref)
         onehot = mine[..., None] & (jnp.arange(width) == local[..., None])
         return jnp.log(sums[0]) - sums[1], (shifted, sums[0], onehot)
 
@@ -56,6 +57,6 @@ def vocab_parallel_cross_entropy(logits_shard: Float[Array, "... vocab_block"],
         loss, (shifted, total, onehot) = parts(*primals)
         probs = jnp.exp(shifted) / total[..., None]
         return loss, sum_replicated(jnp.sum((probs - onehot) * tangents[0], axis=-1),
-                                    comm=ref.comm)
+                                    comm=ref)
 
     return xent(logits_shard, labels)

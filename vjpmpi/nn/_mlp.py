@@ -10,8 +10,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 from mpi4py import MPI
 
-from .._mpi import RED_NAMES, SUM, CommRef, as_comm
-from .._ops import allreduce, use_replicated
+from .._mpi import SUM, CommRef, as_comm
+from .._reductions import allreduce
+from .._replicated import use_replicated
 from ._linear import ColumnParallelLinear, RowParallelLinear
 from ._sequence import gather_sequence, replicated, scatter_sequence_sum
 from ._shard import agree_on_buckets, bucket_bytes_arg, buckets, comm_ref, concat, dtype_groups, split_into
@@ -121,7 +122,7 @@ class ParallelMLP(eqx.Module):
         Shape: `(seq / size, in)` -> `(seq / size, out)`.
         Transpose: the allgathers reduce-scatter backward, the reduce_scatters allgather.
         """
-        act, comm = self._activate, self.comm.comm
+        act, comm = self._activate, self.comm
         if self.depth == 0:
             return jax.vmap(replicated(self.layers[0], comm))(x)
         i = 0
@@ -176,7 +177,7 @@ def allreduce_gradients(grads: PyTree, *, mean: bool = True, bucket_bytes: int |
     leaves, treedef, groups = dtype_groups(grads)
     out = list(leaves)
     for bucket in buckets(leaves, groups, cap):
-        total = allreduce(concat(leaves, bucket), RED_NAMES[SUM], comm=ref.comm)
+        total = allreduce(concat(leaves, bucket), SUM, comm=ref)
         split_into(out, leaves, bucket, total / ref.size if mean else total)
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -192,7 +193,7 @@ def _bucket_sync(comm, size: int, mean: bool):
         return flat, None
 
     def bwd(_, ct):
-        total = allreduce(ct, RED_NAMES[SUM], comm=comm)
+        total = allreduce(ct, SUM, comm=comm)
         return (total / size if mean else total,)
 
     sync.defvjp(fwd, bwd)
@@ -237,7 +238,7 @@ def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None
     agree_on_buckets(ref, cap, "sync_gradients")
     leaves, treedef, groups = dtype_groups(model)
     out = list(leaves)
-    sync = _bucket_sync(ref.comm, ref.size, mean)
+    sync = _bucket_sync(ref, ref.size, mean)
     # applied in reverse: the backward pass runs the transposes in reverse, so it
     # reduces the bucket of the last leaf first, in allreduce_gradients' order
     for bucket in reversed(buckets(leaves, groups, cap)):

@@ -12,8 +12,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 from mpi4py import MPI
 
-from .._mpi import CommRef
-from .._ops import allgather, exscan, sum_replicated
+from .._mpi import SUM, CommRef
+from .._movement import allgather
+from .._reductions import exscan
+from .._replicated import sum_replicated
 from .._ragged import ragged_alltoall
 from ._shard import comm_ref
 
@@ -125,7 +127,7 @@ class ExpertParallelMoE(eqx.Module):
 
     def to_dense(self) -> "ExpertParallelMoE":
         """Gather every expert into a whole layer on `MPI.COMM_SELF`, on every rank."""
-        whole = {k: allgather(getattr(self, k), comm=self.comm.comm).reshape(
+        whole = {k: allgather(getattr(self, k), comm=self.comm).reshape(
             -1, *getattr(self, k).shape[1:]) for k in ("w1", "b1", "w2", "b2")}
         whole["router"] = self.router
         return ExpertParallelMoE(self.w1.shape[1], self.w1.shape[2], self.num_experts,
@@ -144,7 +146,7 @@ class ExpertParallelMoE(eqx.Module):
         Returns:
             `(y, aux)`: the layer's output for these tokens, and the load-balancing loss.
         """
-        comm, size, rank = self.comm.comm, self.comm.size, self.comm.rank
+        comm, size, rank = self.comm, self.comm.size, self.comm.rank
         x = jnp.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.w1.shape[1]:
             raise ValueError(f"vjpmpi.nn.ExpertParallelMoE: x must have shape (tokens, "
@@ -197,7 +199,7 @@ class ExpertParallelMoE(eqx.Module):
             counts.reshape(size, local).reshape(-1), comm=comm)
         rows = jnp.zeros_like(back).at[order].set(back).reshape(n_tok, k, -1)
         if self.dropout and key is not None:
-            offset = exscan(jnp.asarray(n_tok, jnp.int32), MPI.SUM, comm=comm)
+            offset = exscan(jnp.asarray(n_tok, jnp.int32), SUM, comm=comm)
             ids = offset + jnp.arange(n_tok, dtype=jnp.int32)
             masks = jax.vmap(lambda i: jax.random.bernoulli(
                 jax.random.fold_in(key, i), 1.0 - self.dropout, rows.shape[1:]))(ids)

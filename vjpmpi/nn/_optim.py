@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._jax_compat import jaxprs_in_params
-from .._mpi import RED_NAMES, SUM
-from .._ops import allgather, reduce_scatter
+from .._mpi import SUM
+from .._movement import allgather
+from .._reductions import reduce_scatter
 from ._shard import agree_on_buckets, bucket_bytes_arg, buckets, comm_ref, concat, split_into
 
 if TYPE_CHECKING:  # (optax: the caller's; vjpmpi does not depend on it)
@@ -331,7 +332,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, *, mean: bool = True,
         for name, idx in layout.groups.items():
             flat = concat(leaves, idx)
             blocks = jnp.pad(flat, (0, layout.block[name] * ref.size - flat.size))
-            block = reduce_scatter(blocks.reshape(ref.size, -1), RED_NAMES[SUM], comm=ref.comm)
+            block = reduce_scatter(blocks.reshape(ref.size, -1), SUM, comm=ref)
             layout.from_block(block / ref.size if mean else block, name, ref.rank, parts)
         mine = jax.tree_util.tree_unflatten(layout.treedef, parts)
         shards = None if params is None else layout.shards(params, ref.rank)
@@ -339,7 +340,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, *, mean: bool = True,
         done = jax.tree_util.tree_leaves(updates)
         out = list(leaves)
         for name, idx in layout.groups.items():
-            gathered = allgather(layout.to_block(done, name), comm=ref.comm)
+            gathered = allgather(layout.to_block(done, name), comm=ref)
             split_into(out, leaves, idx, gathered.reshape(-1))
         return jax.tree_util.tree_unflatten(layout.treedef, out), state
 

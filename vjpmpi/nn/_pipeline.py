@@ -23,7 +23,9 @@ import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._mpi import as_comm
-from .._ops import agree_on, bcast, fence, recv, send, sendrecv
+from .._movement import bcast
+from .._p2p import recv, send, sendrecv
+from .._sync import agree_on, fence
 
 _OP = "nn.pipeline_value_and_grad"
 # The tags of the pipeline's messages on its communicator (activations, cotangents).
@@ -219,7 +221,7 @@ def _hold(tree: PyTree, ref) -> PyTree:
     """`tree` as it is at this point of the program (`vjpmpi.fence` on the pipeline's
     communicator: ordered with the pipeline's messages, opaque to XLA's fusion, and in
     place: the result aliases the array)."""
-    return fence(tree, comm=ref.comm)
+    return fence(tree, comm=ref)
 
 
 def _add(a: PyTree, b: PyTree, ref) -> PyTree:
@@ -231,7 +233,7 @@ def _exchange(out, dest, template, source, tag, ref, tick):
     """Send `out` (or nothing) to `dest` and receive an array like `template` (or
     nothing) from `source`: one sendrecv where both move and share a dtype. The receive
     buffer is made from `tick`, so not before this step."""
-    c = ref.comm
+    c = ref
     buf = None if template is None else jnp.broadcast_to(tick.astype(template.dtype),
                                                           template.shape)
     if out is not None and buf is not None and out.dtype == buf.dtype:
@@ -325,7 +327,7 @@ def pipeline_value_and_grad(stage: Callable, loss: Callable, inputs: PyTree, tar
     # (the ranks agree on the table and every boundary's shape and dtype: a receive
     # buffer unlike what its sender sends would be an error or a partial message)
     digest = zlib.crc32(repr((schedule.rows, bounds)).encode()) % 65521
-    agree_on((p, m, len(schedule.rows), digest), jnp.float32, ref.comm, _OP,
+    agree_on((p, m, len(schedule.rows), digest), jnp.float32, ref, _OP,
              note=f"stage {s} of a {schedule!r}, activations "
                   f"{[f'{b.dtype}{list(b.shape)}' for b in bounds]}", invalid=why)
     dtype = jnp.zeros(()).dtype  # the default float: exact for any real loss dtype
@@ -390,5 +392,5 @@ def pipeline_value_and_grad(stage: Callable, loss: Callable, inputs: PyTree, tar
             cts[right.micro] = got
     total = (sum(losses) / m).astype(dtype) if s == p - 1 else jnp.zeros((), dtype)
     if p > 1:
-        total = bcast(total, p - 1, comm=ref.comm)
+        total = bcast(total, p - 1, comm=ref)
     return total, grads

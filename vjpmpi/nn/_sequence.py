@@ -7,8 +7,10 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float
 
-from .._mpi import RED_NAMES, SUM
-from .._ops import allgather, reduce_scatter, use_replicated
+from .._mpi import SUM
+from .._movement import allgather
+from .._reductions import reduce_scatter
+from .._replicated import use_replicated
 from ._shard import comm_ref
 
 
@@ -19,7 +21,7 @@ def gather_sequence(x: Float[Array, "seq_block ..."], comm=None) -> Float[Array,
     Transpose: `scatter_sequence_sum` (reduce_scatter(SUM) of the cotangents).
     """
     ref = comm_ref(comm, "gather_sequence")
-    return allgather(x, comm=ref.comm).reshape(-1, *x.shape[1:])
+    return allgather(x, comm=ref).reshape(-1, *x.shape[1:])
 
 
 def scatter_sequence_sum(x: Float[Array, "seq ..."], comm=None) -> Float[Array, "seq_block ..."]:
@@ -34,7 +36,7 @@ def scatter_sequence_sum(x: Float[Array, "seq ..."], comm=None) -> Float[Array, 
         raise ValueError(
             f"vjpmpi.nn.scatter_sequence_sum: a sequence of length {x.shape[0]} is not "
             f"divisible by the communicator size {ref.size}")
-    return reduce_scatter(x.reshape(ref.size, -1, *x.shape[1:]), RED_NAMES[SUM], comm=ref.comm)
+    return reduce_scatter(x.reshape(ref.size, -1, *x.shape[1:]), SUM, comm=ref)
 
 
 def replicated(module, comm=None):
@@ -47,4 +49,4 @@ def replicated(module, comm=None):
     """
     ref = comm_ref(comm, "replicated")
     return jax.tree_util.tree_map(
-        lambda a: use_replicated(a, comm=ref.comm) if eqx.is_inexact_array(a) else a, module)
+        lambda a: use_replicated(a, comm=ref) if eqx.is_inexact_array(a) else a, module)

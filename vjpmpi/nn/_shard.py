@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._mpi import CommRef, as_comm
-from .._ops import agree_on, allgather
+from .._movement import allgather
+from .._sync import agree_on
 
 
 def comm_ref(comm, layer: str) -> CommRef:
@@ -28,7 +29,7 @@ def block(n: int, ref: CommRef, layer: str, what: str) -> tuple[int, int]:
 
 def gather_blocks(x, ref: CommRef, axis: int):
     """Concatenate every rank's `x` along `axis` (eager helper for to_dense)."""
-    stacked = allgather(x, comm=ref.comm)
+    stacked = allgather(x, comm=ref)
     return jnp.concatenate(list(stacked), axis=axis)
 
 
@@ -69,7 +70,7 @@ def agree_on_buckets(ref: CommRef, cap: int | None, op: str) -> None:
     pass different ones fail together here, saying so, instead of at their first bucket's
     collective (a collective with no data, compared once per program)."""
     if cap is not None and ref.size > 1:
-        agree_on((cap,), jnp.uint8, ref.comm, f"nn.{op}",
+        agree_on((cap,), jnp.uint8, ref, f"nn.{op}",
                  note=f"vjpmpi.nn.{op} with bucket_bytes={cap} (every rank must pass the "
                       "same bucket_bytes)")
 

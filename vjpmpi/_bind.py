@@ -1,0 +1,148 @@
+"""Binding a collective: the checks at each call (host callbacks, the thread that owns
+a communicator, argument errors that must reach every rank), the eager path (one
+compiled program per primitive and parameters, kept) and the primitives' impl.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Callable, NoReturn, Sequence
+
+import jax
+
+from . import _jax_compat as jc
+from . import _kernels
+from ._mpi import CommRef
+from ._primitive import SPEC_OF
+
+_IN_CALLBACK = (
+    "vjpmpi.{op}: called from inside a host callback (jax.pure_callback, io_callback or "
+    "debug.callback). The callback runs in the middle of another compiled program, "
+    "ordered only by data dependencies, so its collectives could pair with different "
+    "collectives on different ranks. Call vjpmpi in the traced program instead.")
+
+
+# Eager calls: one jitted function per (primitive, parameters), kept, so that a call
+# outside any trace goes straight to JAX's compiled-call fast path (by shape and
+# dtype) instead of dispatching the primitive on its own.
+_EAGER: dict = {}
+_EAGER_MAX = 512
+
+
+# Communicator number -> the Python thread that owns its collectives (the first that
+# traced or ran one on it; the kernels hold the same record, see `claim_thread`).
+_OWNERS: dict[int, int] = {}
+
+
+def _claim(comm: CommRef, op: str) -> None:
+    """This thread may run collectives on `comm` only if it owns it (the first thread to
+    ask does): MPI leaves collectives issued from several threads on one communicator
+    in no defined order across ranks."""
+    me = threading.get_native_id()
+    if _OWNERS.get(comm.id) == me:
+        return
+    owner, error = _kernels.cpu.claim_thread(comm.id, me)
+    if error:
+        raise RuntimeError(f"vjpmpi.{op}: {error}")
+    _OWNERS[comm.id] = owner
+
+
+def refusal(op: str, why: str) -> int:
+    """An argument error that must reach every rank it concerns: the op is bound with it
+    (parameter `invalid`, the hash of its text) instead of raising here, on one rank while
+    the others would wait for this one forever. When the op runs, a collective fails on
+    every rank of its communicator (the ranks' agreement carries the text), and a
+    point-to-point op, whose peers cannot be told, ends the job with the text."""
+    return _kernels.register_site(why if why.startswith("vjpmpi.") else f"vjpmpi.{op}: {why}")
+
+
+# Whether this process has a note of a collective it refused at trace time (`refuse_here`):
+# it goes at this rank's next call on a communicator of the same ranks.
+_REFUSAL_NOTED = False
+
+
+def refuse_here(comm: CommRef, op: str, why: str, *, root: int = -1) -> NoReturn:
+    """Raise `ValueError(why)` for an argument error that only this rank can see (the
+    ranks that pair with it cannot check it), at trace time: this rank does not enter the
+    collective. The ranks that do wait in it (their collective there one past this rank's
+    count) stop with the same text: this rank's note in the default communicator's window
+    says what it refused (op, `root`; -1: an op without one), and a rank that waits for
+    this one there, reading the note unchanged for a second, raises it (or, inside MPI
+    already, ends the job with it). The note goes when this rank calls anything else on
+    a communicator of the same ranks, so ranks that skipped the refused call are not taken
+    for ones that make it (a rank that waits in it is told only if the refusing rank does
+    not go on there within that second: then its next call there is compared with the
+    refused one, a mismatch error, or the job's end where a rank is inside MPI)."""
+    global _REFUSAL_NOTED
+    text = why if why.startswith("vjpmpi.") else f"vjpmpi.{op}: {why}"
+    _REFUSAL_NOTED = _kernels.cpu.note_refusal(comm.id, op, root, text)
+    raise ValueError(text)
+
+
+def _clear_refusal(comm: CommRef) -> None:
+    global _REFUSAL_NOTED
+    _REFUSAL_NOTED = _kernels.cpu.note_refusal(comm.id, "", -1, "")
+
+
+def enter(prim: jc.Primitive, comm: CommRef, *, invalid: str | None = None,
+          note: str | None = None, **params) -> dict:
+    """The checks of a call of `prim` on `comm` as this thread makes it, before it is bound
+    (or started: `vjpmpi.start`); returns its parameters besides `comm` (exactly those its
+    spec declares, and `invalid` / `note`, registered). `invalid`: an argument error for
+    `refusal`; `note`: what this rank's call is, shown for it when the ranks disagree
+    (instead of its call site; not compared)."""
+    if invalid is not None:
+        params["invalid"] = refusal(prim.name.removeprefix("vjpmpi_"), invalid)
+    if note is not None:
+        params["note"] = _kernels.register_site(note)
+    if jc.inside_host_callback():
+        raise RuntimeError(_IN_CALLBACK.format(op=prim.name.removeprefix("vjpmpi_")))
+    if _REFUSAL_NOTED:  # (this rank goes on: its refusal note goes, if about these ranks)
+        _clear_refusal(comm)
+    if not SPEC_OF[prim].point_to_point:
+        _claim(comm, prim.name.removeprefix("vjpmpi_"))
+    return params
+
+
+def run(prim: jc.Primitive, args: Sequence, comm: CommRef, params: dict) -> list:
+    """Bind `prim` on `args` with the parameters `enter` gave: in the trace, or eagerly."""
+    if not jc.outside_traces():
+        return prim.bind(*args, comm=comm, **params)
+    return eager(prim, {"comm": comm, **params})(*args)
+
+
+def bind(prim: jc.Primitive, args: Sequence, comm: CommRef, **params) -> list:
+    """Bind `prim` on `args` with its static parameters (`enter`, then `run`)."""
+    return run(prim, args, comm, enter(prim, comm, **params))
+
+
+def eager(prim: jc.Primitive, params: dict) -> Callable:
+    """The jitted call of `prim` with `params` that eager calls run (kept while its
+    communicator lives: a communicator's programs are its own)."""
+    key = (prim, *params.items())  # (bind and JAX both pass `comm` first)
+    call = _EAGER.get(key)
+    if call is None:
+        _forget_freed()
+        if len(_EAGER) >= _EAGER_MAX:  # e.g. a fresh MPI.Status object on every call
+            _EAGER.clear()
+        call = _EAGER[key] = jax.jit(functools.partial(prim.bind, **params))
+    return call
+
+
+def _forget_freed() -> None:
+    """Drop the eager programs of freed communicators (they can never run again)."""
+    alive: dict[int, bool] = {}
+    for key in list(_EAGER):
+        number = dict(key[1:])["comm"].id
+        if number not in alive:
+            alive[number] = _kernels.cpu.comm_alive(number)
+        if not alive[number]:
+            del _EAGER[key]
+
+
+def apply(prim: jc.Primitive, *args, **params) -> list:
+    """`prim` on concrete arrays, bound outside any trace by JAX itself (an eager
+    backward pass, or the body of a jit that `jax.disable_jit()` runs as Python)."""
+    with jax.disable_jit(False):  # compiled whatever the caller's setting, as JAX's own
+        return eager(prim, params)(*args)

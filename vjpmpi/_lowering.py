@@ -1,0 +1,167 @@
+"""Lowering: a call of a collective becomes an XLA FFI custom call on the program's
+token chain, with its attributes and a description of its call site (what the
+watchdog, VJPMPI_CHECK and VJPMPI_TIMEOUT name).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import jax
+import numpy as np
+
+from . import _jax_compat as jc
+from . import _kernels
+from ._mpi import ANY_TAG, RED_NAMES
+from ._ordering import unchained
+from ._primitive import FFI_ATTRS, ORDERED, Collective
+
+_PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parent)
+_LIBRARY_DIRS = tuple(str(pathlib.Path(m.__file__).resolve().parent)
+                      for m in (jax, np)) + (_PACKAGE_DIR, "<frozen")
+
+
+# How a call-site description (VJPMPI_CHECK, VJPMPI_TIMEOUT) shows a parameter.
+def _tag_text(name):
+    return lambda t: f"{name}=ANY_TAG" if t == ANY_TAG else f"{name}={t}"
+
+
+_DESCRIBE = {"red": lambda v: RED_NAMES[v], "root": "root={}".format,
+             "dest": "dest={}".format, "source": "source={}".format,
+             **{k: _tag_text(k) for k in ("tag", "sendtag", "recvtag")}}
+
+
+def _int64(v: int) -> np.int64:
+    # Handles and addresses travel as int64 bit patterns (mpi4py may report an
+    # MPICH handle sign-extended to 64 unsigned bits).
+    return np.int64(v - (1 << 64) if v >= (1 << 63) else v)
+
+
+def _user_frame() -> str:
+    """`file:line (function)` of the user code that issued the collective being lowered."""
+    for frame in jc.user_frames():
+        if not frame.file_name.startswith(_PACKAGE_DIR):
+            return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    # eager calls: the Python stack of the call being compiled
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        f = f.f_back
+    if f is None:
+        return "an unknown location"
+    return f"{f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
+
+
+def _site(ctx, spec: Collective, params) -> int:
+    """Register a description of this call site with the kernels (what the watchdog, the
+    check and the timeout name); the hash of its text, the same in every process that
+    lowers the same call."""
+    if spec.describe is not None:
+        call = spec.describe(params)
+    else:
+        detail = [_DESCRIBE[k](params[k]) for k in spec.params if k in _DESCRIBE]
+        detail += ["from the last rank down"] if spec.fixed.get("reverse") else []
+        call = f"{spec.ffi_target()}({', '.join(detail)})"
+    avals = ", ".join(f"{a.dtype}{list(a.shape)}" for a in ctx.avals_in)
+    stage = " [backward]" if "transpose" in str(ctx.name_stack) else ""
+    return _kernels.register_site(
+        f"{call} on {avals or 'no data'}{stage} at {_user_frame()}")
+
+
+def lower(ctx, *args, spec: Collective, **params):
+    """Lower to `vjpmpi_<target>`, taking the program's chain token and handing on the next.
+
+    The chain runs through every collective of the program in program order, into and
+    out of loops, branches and nested calls (see `Ordered`), so XLA cannot reorder two
+    collectives, whatever the data dependencies between them on each rank.
+    """
+    if spec.ffi_target() is None:  # no communication: the identity, token passed on
+        token = jc.chain_token(ctx, ORDERED)
+        if token is not None:
+            jc.set_chain_token(ctx, ORDERED, token)
+        return list(args)
+    aliases = {}
+    if spec.alias is not None:
+        i, j = spec.alias
+        a, b = ctx.avals_in[i], ctx.avals_out[j]
+        if a.shape == b.shape and a.dtype == b.dtype:
+            aliases = {i: j}
+    return chained_call(ctx, spec, f"vjpmpi_{spec.ffi_target()}", args, ctx.avals_in,
+                        ctx.avals_out, ffi_attrs(ctx, spec, params), aliases)
+
+
+def chained_call(ctx, spec: Collective, target: str, args, avals_in, avals_out, attrs: dict,
+                 aliases: dict | None = None) -> list:
+    """The FFI custom call `target` (a call of `spec`) on the program's ordering chain:
+    `args` (of `avals_in`) and the chain's token in, results of `avals_out` and the next
+    token out; returns the results."""
+    token = _chain_start(ctx, spec)
+    rule = jax.ffi.ffi_lowering(target, has_side_effect=True,
+                                operand_output_aliases=aliases or {})
+    sub = ctx.replace(avals_in=[*avals_in, jc.abstract_token],
+                      avals_out=[*avals_out, jc.abstract_token])
+    outs = rule(sub, *args, token, **attrs)
+    jc.set_chain_token(ctx, ORDERED, outs[-1])
+    return outs[:-1]
+
+
+# The communicators whose numbers are the same in every process (the default one,
+# COMM_WORLD, COMM_SELF: vjpmpi._mpi.default_comm), the only ones an exported program
+# may name.
+_EXPORTABLE_COMMS = (1, 2, 3)
+
+
+def ffi_attrs(ctx, spec: Collective, params) -> dict:
+    """The FFI attributes of one call of `spec` with `params` (every handler's set)."""
+    if params["comm"].id not in _EXPORTABLE_COMMS and jc.lowering_for_export(ctx):
+        raise NotImplementedError(
+            f"vjpmpi.{spec.name}: a program exported with jax.export names its communicator "
+            f"by vjpmpi's number for it, given in order of first use (this one is "
+            f"#{params['comm'].id}): in the process that loads it, that number could be "
+            "another communicator's. Export programs on the default communicator, "
+            "MPI.COMM_WORLD or MPI.COMM_SELF (#1-#3 in every process).")
+    attrs = dict.fromkeys(FFI_ATTRS, np.int64(0))
+    attrs.update({attr: _int64(params[k]) for k, attr in spec.params.items()})
+    attrs.update({attr: np.int64(v) for attr, v in spec.fixed.items()})
+    attrs["comm"] = np.int64(params["comm"].id)
+    # (what the watchdog's warnings, VJPMPI_CHECK and VJPMPI_TIMEOUT name; a note describes
+    # the call instead)
+    attrs["site"] = np.int64(params.get("note", 0) or _site(ctx, spec, params))
+    attrs["sig"] = np.int64(params.get("sig", 0))
+    attrs["invalid"] = np.int64(params.get("invalid", 0))
+    return attrs
+
+
+def _chain_start(ctx, spec: Collective):
+    """The chain's token for a call of `spec` being lowered, after the checks that the
+    program can run it (platform, backend built, one device per process)."""
+    platforms = set(ctx.module_context.platforms)
+    for other in sorted(platforms - {"cpu", "cuda"}):
+        raise NotImplementedError(
+            f"vjpmpi.{spec.name}: vjpmpi has no {_BACKEND_NAMES.get(other, other)} backend "
+            "(it has CPU and CUDA ones), so a program with collectives cannot be compiled for "
+            f"{_BACKEND_NAMES.get(other, other)}")
+    if "cuda" in platforms and spec.host_only:
+        raise NotImplementedError(
+            f"vjpmpi.{spec.name}: has no CUDA kernel yet (host memory only), so a program "
+            "with it cannot be compiled for a GPU; run it on the CPU backend")
+    if "cuda" in platforms and _kernels.cuda is None:
+        raise NotImplementedError(
+            f"vjpmpi.{spec.name}: vjpmpi was built without its CUDA backend (no CUDA toolkit "
+            "was found at build time), so it cannot run on a GPU. Rebuild it on a machine "
+            "with the CUDA headers: VJPMPI_CUDA=1 pip install --no-cache-dir --force-reinstall "
+            "vjpmpi")
+    devices = jc.program_devices(ctx)
+    if devices > 1:
+        raise NotImplementedError(
+            f"vjpmpi.{spec.name}: the program being compiled runs on {devices} devices of "
+            "this process (a multi-device sharding, shard_map or pmap); vjpmpi runs one "
+            "collective per process, so each device would call MPI on its own. Use one "
+            "device per MPI rank (see vjpmpi.local_device()).")
+    token = jc.chain_token(ctx, ORDERED)
+    if token is None:
+        raise unchained(spec.name, ctx.name_stack)
+    return token
+
+
+_BACKEND_NAMES = {"rocm": "ROCm", "tpu": "TPU", "METAL": "Metal"}

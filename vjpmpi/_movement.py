@@ -1,0 +1,156 @@
+"""Data movement between ranks: bcast, allgather, gather, scatter, alltoall; each op's
+spec, transpose and public function together. All are linear: a JVP is the op on the
+tangents, a transpose the adjoint of the global linear map (the dual collective).
+
+Signatures, positional arguments and forward results follow mpi4jax 0.9, so
+`import vjpmpi as mpi4jax` works for existing code.  `comm=None` means
+vjpmpi's private duplicate of `COMM_WORLD`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ._bind import bind, refuse_here
+from ._derive import call, define, partner
+from ._mpi import SUM, as_comm
+from ._primitive import PRIMITIVES, Collective, is_root, like, with_shape
+from ._validate import array, check_rank_axis, rank
+
+__all__ = ["bcast", "allgather", "gather", "scatter", "alltoall"]
+
+_ROOT = {"root": "root"}
+
+
+# -------------------------------------------------------------------- bcast --
+def _t_bcast(cts, args, p):  # y_r = x_root everywhere; other ranks' x unused
+    (ct,) = cts
+    total = call("reduce", ct, p, red=SUM)  # a collective: every rank takes part
+    return [total if is_root(p) else jnp.zeros_like(ct)]
+
+
+define(Collective("bcast", like(0), _ROOT, alias=(0, 0), transpose=_t_bcast))
+
+
+def bcast(x, root, *, comm=None):
+    """Broadcast `root`'s `x` to every rank (other ranks' `x` is a shape/dtype template).
+
+    Shape: `s` -> `s` on every rank.
+    Transpose: reduce(SUM) onto `root`.
+    """
+    x = array(x, "bcast")
+    c = as_comm(comm, "bcast")
+    (y,) = bind(PRIMITIVES["bcast"], [x], c, root=rank(root, c, "bcast", "root"))
+    return y
+
+
+# ---------------------------------------------------------------- allgather --
+define(Collective("allgather", lambda p, x: [with_shape(x, (p["comm"].size, *x.shape))],
+                  rank_axis=lambda p: (False, True),
+                  transpose=partner("reduce_scatter", red=SUM)))
+
+
+def allgather(x, *, comm=None):
+    """Gather every rank's `x` onto every rank, stacked in rank order.
+
+    Shape: `s` -> `(size, *s)` on every rank.
+    Transpose: reduce_scatter(SUM).
+    """
+    x = array(x, "allgather")
+    (y,) = bind(PRIMITIVES["allgather"], [x], as_comm(comm, "allgather"))
+    return y
+
+
+# ------------------------------------------------------------------- gather --
+def _gather_out(params, x):
+    return [with_shape(x, (params["comm"].size, *x.shape))] if is_root(params) else [x]
+
+
+def _t_gather(cts, args, p):  # y_root = stack(x_s), y_r = x_r elsewhere
+    (ct,) = cts
+    block = call("scatter", ct, p)
+    return [block if is_root(p) else block + ct]
+
+
+define(Collective("gather", _gather_out, _ROOT, alias=(0, 0),
+                  rank_axis=lambda p: (False, is_root(p)), transpose=_t_gather))
+
+
+def gather(x, root, *, comm=None):
+    """Gather every rank's `x` onto `root`, stacked in rank order; others get `x` back.
+
+    Shape: `s` -> `(size, *s)` on `root`, `s` elsewhere.
+    Transpose: scatter from `root`.
+    """
+    x = array(x, "gather")
+    c = as_comm(comm, "gather")
+    (y,) = bind(PRIMITIVES["gather"], [x], c, root=rank(root, c, "gather", "root"))
+    return y
+
+
+# ------------------------------------------------------------------ scatter --
+def _scatter_out(params, x):  # (a refused root's input may lack the rank axis)
+    return [with_shape(x, x.shape[1:])] if is_root(params) and x.ndim else [x]
+
+
+def _t_scatter(cts, args, p):  # y_r = x_root[r]; other ranks' x is a template
+    (ct,) = cts
+    g = call("gather", ct, p)
+    return [g if is_root(p) else jnp.zeros(args[0].aval.shape, args[0].aval.dtype)]
+
+
+define(Collective("scatter", _scatter_out, _ROOT, alias=(0, 0),
+                  rank_axis=lambda p: (is_root(p), False), transpose=_t_scatter))
+
+
+def scatter(x, root, *, comm=None) -> jax.Array:
+    """Send block `r` of `root`'s `x` to rank `r`.
+
+    Args:
+        x (ArrayLike): on `root`, the blocks stacked on a leading axis of the
+            communicator's size; elsewhere a template of one block's shape and dtype.
+        root (int): the rank that sends.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's default).
+
+    Returns:
+        This rank's block.
+
+    Raises:
+        ValueError: on `root`, at trace time, for an `x` without that leading axis (only
+            the root can check it: the ranks that wait in the scatter for it stop with
+            the same message), or a `root` outside the communicator.
+        TypeError: an argument of the wrong type or dtype.
+
+    Shape: on `root` `(size, *s)` -> `s`; elsewhere `x` is an `s`-shaped template -> `s`.
+    Transpose: gather onto `root`.
+    """
+    x = array(x, "scatter")
+    c = as_comm(comm, "scatter")
+    root = rank(root, c, "scatter", "root")
+    # Only the root can check its input: it raises here, and the ranks that wait in the
+    # scatter for it stop there with its message (`_bind.refuse_here`).
+    if c.rank == root and (x.ndim == 0 or x.shape[0] != c.size):
+        refuse_here(c, "scatter", f"argument 'x' on the root (rank {root}) must have a "
+                    f"leading axis of length comm size {c.size}, got shape {tuple(x.shape)}",
+                    root=root)
+    (y,) = bind(PRIMITIVES["scatter"], [x], c, root=root)
+    return y
+
+
+# ----------------------------------------------------------------- alltoall --
+define(Collective("alltoall", like(0), alias=(0, 0), rank_axis=lambda p: (True, True),
+                  transpose=partner("alltoall")))
+
+
+def alltoall(x, *, comm=None):
+    """Send block `j` of `x` to rank `j`; block `i` of the result comes from rank `i`.
+
+    Shape: `(size, *s)` -> `(size, *s)`.
+    Transpose: alltoall.
+    """
+    x = array(x, "alltoall")
+    c = as_comm(comm, "alltoall")
+    check_rank_axis(x, c, "alltoall")
+    (y,) = bind(PRIMITIVES["alltoall"], [x], c)
+    return y

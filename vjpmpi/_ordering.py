@@ -1,0 +1,203 @@
+"""Program order: the token chain through a program's collectives, and its signatures.
+
+When lowering starts, a copy of the program's jaxpr is marked (`mark`): every collective
+and every construct holding one carries the ordered effect `ORDERED`, so JAX's lowering
+threads one XLA token through them in program order, and every collective gets its
+program's signature on its communicator (`signatures`), which the kernels compare across
+ranks before a program runs for the first time.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import weakref
+from typing import Callable
+
+import jax
+
+from . import _jax_compat as jc
+from ._mpi import CommRef
+from ._primitive import (COLLECTIVES, ORDERED, SPEC_OF, Collective, contains_collective,
+                         first_collective, members)
+
+# More checks of a program before it is lowered: `check(jaxpr)` raises (vjpmpi.start's).
+LOWERING_CHECKS: list[Callable[[jc.Jaxpr], None]] = []
+
+
+def mark(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
+    """A copy of the program `jaxpr` on the chain: the ordered effect on every collective
+    and every equation holding one, each collective's signature parameter set."""
+    for check in LOWERING_CHECKS:
+        check(jaxpr)
+    own, exported = members(jaxpr)
+    if exported and own + exported > 1:
+        raise NotImplementedError(
+            "vjpmpi: this program calls a jax.export-ed function that runs vjpmpi "
+            f"collectives, next to {own + exported - 1} other collective call(s). An "
+            "exported function carries its own ordering chain and cannot be ordered "
+            "against the rest of the program; call it in a program of its own, or export "
+            "the whole program.")
+    sigs = signatures(jaxpr)
+
+    def own_params(eqn):
+        if eqn.primitive not in COLLECTIVES:
+            return None
+        return {"ordered": True, "sig": sigs.get(eqn.params["comm"], 0)}
+
+    return mark_jaxpr(jaxpr, ORDERED, own_params, contains_collective, {})
+
+
+def _map_param(value, fn):
+    if isinstance(value, jc.Jaxpr):
+        return fn(value)
+    if isinstance(value, jc.ClosedJaxpr):
+        return value.replace(jaxpr=fn(value.jaxpr))
+    if isinstance(value, tuple):  # also namedtuples (custom_linear_solve's `jaxprs`)
+        items = [_map_param(v, fn) for v in value]
+        return value._make(items) if hasattr(value, "_make") else type(value)(items)
+    return value
+
+
+def mark_jaxpr(jaxpr: jc.Jaxpr, effect, own_params: Callable, contains: Callable,
+               memo: dict) -> jc.Jaxpr:
+    """A copy of `jaxpr` in which every equation for which `own_params(eqn)` gives a dict
+    of parameters (the own primitives) gets those parameters and `effect`, and every
+    equation whose nested jaxprs `contain` one gets `effect` and marked copies of those
+    jaxprs. Relies on `Jaxpr.replace`, `JaxprEqn.replace`, `ClosedJaxpr.replace` and on
+    nested jaxprs sitting in equation params as Jaxpr, ClosedJaxpr or tuples of them
+    (`core.jaxprs_in_params` looks at the same places)."""
+    if not contains(jaxpr):
+        return jaxpr
+    hit = memo.get(jaxpr)
+    if hit is not None:
+        return hit
+
+    def mark(j):
+        return mark_jaxpr(j, effect, own_params, contains, memo)
+
+    eqns = []
+    for eqn in jaxpr.eqns:
+        extra = own_params(eqn)
+        if extra is not None:
+            eqn = eqn.replace(params={**eqn.params, **extra}, effects={*eqn.effects, effect})
+        elif any(contains(j) for j in jc.jaxprs_in_params(eqn.params)):
+            params = {k: _map_param(v, mark) for k, v in eqn.params.items()}
+            eqn = eqn.replace(params=params, effects={*eqn.effects, effect})
+        eqns.append(eqn)
+    out = jaxpr.replace(eqns=eqns, effects={*jaxpr.effects, effect})
+    memo[jaxpr] = out
+    return out
+
+
+def unchained(name: str | None, where) -> NotImplementedError:
+    """The error for a collective that a JAX construct lowers without the chain's token."""
+    return NotImplementedError(
+        f"vjpmpi.{name or 'collective'}: collective lowered outside vjpmpi's ordering chain "
+        f"(in '{where}'): a JAX construct around it does not pass XLA tokens on, so its "
+        "order against the program's other collectives could differ between ranks. Please "
+        "report this with the construct used.")
+
+
+def unchained_jaxpr(jaxpr: jc.Jaxpr, where) -> NotImplementedError:
+    """`unchained` for the first collective of `jaxpr`."""
+    return unchained(first_collective(jaxpr), where)
+
+
+# ---------------------------------------------------- program signatures --
+# A program's signature on a communicator: a hash of the structure of its collectives
+# there (each one's op, parameters, dtype and per-rank block, and the loops and branches
+# around them). The kernels compare the ranks' collectives when a rank runs a program
+# whose signature it has not yet seen verified (csrc/vjpmpi_agree.h); ranks that run the
+# same collectives have the same signature, whatever else their programs compute.
+STRUCTURES: "weakref.WeakKeyDictionary[jc.Jaxpr, dict]" = weakref.WeakKeyDictionary()
+
+
+def signatures(jaxpr: jc.Jaxpr) -> dict[CommRef, int]:
+    """{communicator: signature} of the program `jaxpr` (a nonzero int64, the same in
+    every process: not Python's per-process `hash`)."""
+    out = {}
+    for comm, items in _structure(jaxpr).items():
+        digest = hashlib.blake2b(repr(items).encode(), digest_size=8).digest()
+        out[comm] = int.from_bytes(digest, "little", signed=True) or 1
+    return out
+
+
+def _structure(jaxpr: jc.Jaxpr) -> dict[CommRef, tuple]:
+    if not contains_collective(jaxpr):
+        return {}
+    hit = STRUCTURES.get(jaxpr)
+    if hit is not None:
+        return hit
+    seq = collections.defaultdict(list)
+    for eqn in jaxpr.eqns:
+        spec = SPEC_OF.get(eqn.primitive)
+        if spec is not None:
+            if not spec.point_to_point and spec.ffi_target() is not None:
+                seq[eqn.params["comm"]].append(_item(spec, eqn))
+            continue
+        parts = [_structure(j) for j in jc.jaxprs_in_params(eqn.params)]
+        name = eqn.primitive.name
+        for comm in {c for part in parts for c in part}:
+            subs = [part.get(comm, ()) for part in parts]
+            if name == "cond" and any(sub != subs[0] for sub in subs):
+                seq[comm].append(("cond", tuple(subs)))
+            elif name == "cond":
+                seq[comm].extend(subs[0])
+            elif name in ("while", "scan"):
+                seq[comm].append((name, eqn.params.get("length"), tuple(subs)))
+            else:  # calls, remat, custom derivatives: their bodies, in order
+                for sub in subs:
+                    seq[comm].extend(sub)
+    out = {c: tuple(v) for c, v in seq.items()}
+    STRUCTURES[jaxpr] = out
+    return out
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def _item(spec: Collective, eqn) -> tuple:
+    """What the ranks must agree on about one collective: its op and parameters, dtype
+    and per-rank block (the operand without the communicator's rank axis)."""
+    params = eqn.params
+    detail = tuple(int(params[k]) for k in spec.params)  # (in the spec's order)
+    if not eqn.invars:
+        return (spec.name, detail)
+    aval = eqn.invars[0].aval
+    name = _DTYPE_NAMES.get(aval.dtype)
+    if name is None:
+        name = _DTYPE_NAMES[aval.dtype] = str(aval.dtype)
+    if spec.block is not None:
+        shape = spec.block(params, [v.aval for v in eqn.invars])
+    else:
+        shape = aval.shape[1:] if spec.rank_axis(params)[0] else aval.shape
+    return (spec.name, detail, name, tuple(shape))
+
+
+# ----------------------------------------------------------------- batching --
+def batched_while(axis_data, args, dims, *, cond_nconsts, cond_jaxpr, body_nconsts,
+                  body_jaxpr):
+    """vmap of a `while_loop` whose condition communicates: the equivalent loop that
+    evaluates the condition at the end of the body and carries the predicate,
+    `p = cond(c); while any(p): c = where(p, body(c), c); p = where(p, cond(c), p)`,
+    batched (JAX's rule for a carried predicate keeps the per-member select, and the
+    condition's collectives then sit in the body, on the chain; every rank evaluates the
+    condition as often as before)."""
+    def loop(*vals):
+        cconsts = vals[:cond_nconsts]
+        bconsts = vals[cond_nconsts:cond_nconsts + body_nconsts]
+        init = vals[cond_nconsts + body_nconsts:]
+
+        def pred(carry):
+            return jc.eval_jaxpr(cond_jaxpr.jaxpr, cond_jaxpr.consts, *cconsts, *carry)[0]
+
+        def body(state):
+            carry = jc.eval_jaxpr(body_jaxpr.jaxpr, body_jaxpr.consts, *bconsts, *state[1])
+            return pred(carry), carry
+
+        return jax.lax.while_loop(lambda state: state[0], body, (pred(init), list(init)))[1]
+
+    outs = jax.vmap(loop, in_axes=tuple(dims), axis_size=axis_data.size,
+                    axis_name=axis_data.name, spmd_axis_name=axis_data.spmd_name)(*args)
+    return outs, [0] * len(outs)
