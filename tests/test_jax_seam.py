@@ -36,6 +36,22 @@ PRIVATE = {
 }
 
 
+# Private names that some JAX versions also have in a public module: _jax_compat takes the
+# public one where the installed JAX has it (and it is not deprecated there).
+PUBLIC_HOMES = {
+    ("jax._src.core", "jaxprs_in_params"): ["jax.extend.core"],  # from 0.10
+    ("jax._src.core", "set_current_trace"): ["jax.extend.core"],  # from 0.10
+    ("jax._src.effects", "Effect"): ["jax.extend.core"],  # from 0.10
+    ("jax._src.core", "abstract_token"): ["jax.ffi", "jax.core"],  # 0.11+; 0.7.1 (to 0.9)
+    ("jax._src.interpreters.partial_eval", "JaxprStackFrame"):
+        ["jax.interpreters.partial_eval"],  # 0.7.1 only
+    ("jax._src.interpreters.partial_eval", "new_eqn_recipe"):
+        ["jax.interpreters.partial_eval"],  # 0.7.1, 0.11.1+
+}
+# How many of PRIVATE's names each JAX release runs (the ones without a public home there).
+PRIVATE_IN_USE = {(0, 7): 19, (0, 10): 19, (0, 12): 17}
+
+
 def _imported_modules(tree: ast.AST) -> list[str]:
     out = []
     for node in ast.walk(tree):
@@ -118,3 +134,34 @@ def test_the_name_counter_sees_a_new_private_name(tmp_path):
     used = private_names_used(planted)
     assert used["jax._src.core"] - PRIVATE["jax._src.core"] == {"get_aval"}
     assert used["jax._src.api"] == {"jit"}
+
+
+def _public_home(name: str, modules: list[str]) -> str | None:
+    """The first of `modules` that has `name` on the installed JAX, undeprecated."""
+    import importlib
+    import warnings
+
+    for module in modules:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            try:
+                if getattr(importlib.import_module(module), name, None) is not None:
+                    return module
+            except (DeprecationWarning, ImportError):
+                pass
+    return None
+
+
+def test_private_names_in_use_on_this_jax():
+    import jax
+
+    gated = [(m, n) for (m, n), homes in PUBLIC_HOMES.items() if _public_home(n, homes)]
+    in_use = sum(len(names) for names in PRIVATE.values()) - len(gated)
+    version = tuple(jax.__version_info__[:2])
+    assert all(n in PRIVATE[m] for m, n in PUBLIC_HOMES)
+    if version in PRIVATE_IN_USE:
+        assert in_use == PRIVATE_IN_USE[version], gated
+    # and the compat module takes each public home it names: `_public(<module>, "<name>")`
+    text = COMPAT.read_text()
+    for (_, name), homes in PUBLIC_HOMES.items():
+        assert f'"{name}")' in text and "_public(" in text

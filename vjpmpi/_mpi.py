@@ -95,6 +95,8 @@ def default_comm() -> MPI.Intracomm:
         return _default.comm
 
 
+_FREED = "vjpmpi.{op}: argument 'comm' is a null or freed communicator (MPI.COMM_NULL)"
+
 # Validated communicators by handle (eager calls validate on every call: keep it cheap).
 # An entry is used only for the very object it was made from: a freed communicator's
 # object has the null handle, and a new object with a reused handle is validated anew.
@@ -104,9 +106,11 @@ _checked: dict[int, CommRef] = {}
 def as_comm(comm: Any, op: str) -> CommRef:
     """Validate `comm` for op `op` and return its static record (a record given, one
     resolved at the public edge already, is returned as it is)."""
-    if type(comm) is CommRef:
+    if type(comm) is CommRef:  # (its communicator validated when it was made)
         if MPI.Is_finalized():
             raise RuntimeError(f"vjpmpi.{op}: MPI has been finalized; no collective can run")
+        if comm.comm == MPI.COMM_NULL:
+            raise ValueError(_FREED.format(op=op))
         return comm
     if comm is None:
         comm = _default.comm if _default is not None else default_comm()
@@ -123,9 +127,7 @@ def as_comm(comm: Any, op: str) -> CommRef:
     if MPI.Is_finalized():
         raise RuntimeError(f"vjpmpi.{op}: MPI has been finalized; no collective can run")
     if comm == MPI.COMM_NULL:
-        raise ValueError(
-            f"vjpmpi.{op}: argument 'comm' is a null or freed communicator (MPI.COMM_NULL)"
-        )
+        raise ValueError(_FREED.format(op=op))
     if comm.Is_inter():
         raise TypeError(
             f"vjpmpi.{op}: argument 'comm' must be an intracommunicator, got an intercommunicator"
