@@ -115,10 +115,6 @@ def user_frames() -> list:
     return [] if tb is None else list(_source_info.user_frames(tb))
 
 
-# (like JAX's own files, left out of programs' source locations and filtered tracebacks)
-source_info_util.register_exclusion(__file__)
-
-
 def _register_effect(effect_type: type, *, ordered: bool) -> None:
     """Allow an effect type wherever JAX checks effects; `ordered`: with an XLA token."""
     kinds = [mlir.lowerable_effects, _effects.control_flow_allowed_effects,
@@ -436,6 +432,9 @@ def install(*, ordered, linearized, communicates: Callable,
     global _installed
     if _installed:
         return
+    # (the wrappers here sit between the user's code and JAX's: like JAX's own files, this
+    # one is left out of programs' source locations and of filtered tracebacks)
+    source_info_util.register_exclusion(__file__)
     _register_effect(type(ordered), ordered=True)
     _register_effect(type(linearized), ordered=False)
     _guard_dce_rules(communicates, is_own)  # (the one scan of JAX's DCE rules)
