@@ -1,360 +1,153 @@
-// Run-time services shared by every backend's handlers: the one Runtime (call
-// sites, communicators, status slots, settings, counters, trace, watchdog) and how
-// modules share it, the per-call guard (overlap counter, opt-in trace, watch slot), the
-// agreement of the ranks on each collective (vjpmpi_agree.h) and the watchdog, which
-// warns about a call stuck past VJPMPI_WARN_AFTER (60 s by default) and ends the job
-// past VJPMPI_TIMEOUT (opt-in).
-#pragma once
-
+// The ranks of a communicator agree on each collective before any data moves.
+//
+// Communicators: a program names a communicator by vjpmpi's own number for it
+// (CommEntry, never reused), not by MPI's handle, which MPI hands to the next
+// communicator once this one is freed; a freed communicator's programs fail.
+// Its collectives belong to the first thread that runs one (MPI leaves collectives
+// issued from several threads on one communicator in an undefined order).
+//
+// Agreement: on each communicator, every rank publishes each collective it is about to
+// run (op, dtype, per-rank block shape, root, reduction, and a hash of everything it ran
+// before) in a ring of entries in an MPI window of its own (MPI_Win_allocate on a
+// private duplicate, made at the communicator's first collective). A rank that runs a
+// program new to it (its signature on this communicator not yet verified: Python's
+// lowering hashes the program's collectives on it) reads the other ranks' entries for
+// the same collective, one-sidedly, before moving any data: ranks that disagree raise,
+// or, when a rank that cannot be told is already inside the collective, the job ends
+// with the message. Once every rank is seen starting the same program signature at the
+// same collective, the program is verified on this communicator and later runs only
+// publish (a few stores). VJPMPI_CHECK=1 verifies every collective of every run, and
+// also the position within the program (a rank-dependent trip count or branch).
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <algorithm>
-#include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
-#include <unordered_map>
 #include <vector>
-
-#include "vjpmpi_async.h"
-#include "vjpmpi_agree.h"
-#include "vjpmpi_mpi.h"
+#include "agree.h"
+#include "async.h"
+#include "runtime.h"
 
 namespace vjpmpi {
 
-// One call in flight, as the watchdog sees it: in a slot of the thread that runs it
-// (Guard), the fields stored relaxed and then published by `call` (the call's number in
-// this slot, never reused; 0: none, or paused while the call keeps its own time). The
-// watchdog reads `call`, the fields, then `call` again, and keeps what it read only when
-// the two agree. A call costs a few stores here, and no clock: the watchdog times a call
-// from when it first sees it.
-struct WatchSlot {
-  std::atomic<bool> taken{false};  // (a thread holds this slot)
-  std::atomic<uint64_t> call{0};
-  std::atomic<const char*> op{nullptr};
-  std::atomic<int64_t> site{0};
-  std::atomic<MPI_Comm> comm{MPI_COMM_NULL};
-  std::atomic<CommEntry*> entry{nullptr};  // its communicator
-  std::atomic<int64_t> k{0};     // a collective's number there, once it moves data (else 0)
-  std::atomic<int> peer{-1};     // a point-to-point call's peer (-1: none)
-  uint64_t serial = 0;           // the last call number given (the holding thread's)
-};
+std::string BusyError(int64_t id, int size) {
+  return "another thread of this process is inside a collective on the same communicator "
+         "(vjpmpi's communicator #" + std::to_string(id) + ", of " + std::to_string(size) +
+         " ranks). MPI leaves the order of collectives issued from several threads on one "
+         "communicator undefined: they could pair differently on each rank. Give each thread "
+         "a communicator of its own (comm.Dup(), made in the same order on every rank).";
+}
 
-// ---------------------------------------------------------------- runtime --
-// All run-time state of vjpmpi lives in ONE Runtime, shared by every backend:
-// the CPU module (_vjpmpi_cpu) owns it, and each other backend module
-// (_vjpmpi_cuda) is attached to it at import (vjpmpi/_kernels.py passes the CPU
-// module's runtime_capsule() to attach_runtime()).  So call sites, settings,
-// counters, the trace and the single watchdog are the same whichever backend's
-// handler runs.  Every module is compiled from these headers in one build; the
-// handle below lets attach refuse a module built differently.
-struct Runtime {
-  // Call sites: Python registers a description of each call site ("bcast(root=0)
-  // float32[8] at train.py:12") when the check or the timeout is on, and passes
-  // the hash of its text as the `site` attribute (0: none); the same in every process.
-  std::mutex site_mutex;
-  std::unordered_map<int64_t, std::string> sites;
+std::string ThreadError(uint64_t me, uint64_t owner, int64_t id, int size) {
+  return "thread " + std::to_string(me) + " runs a collective on a communicator that thread " +
+         std::to_string(owner) + " owns (vjpmpi's communicator #" + std::to_string(id) +
+         ", of " + std::to_string(size) + " ranks; threads as threading.get_native_id() gives "
+         "them; a communicator belongs to the first thread that traces or runs a collective "
+         "on it). MPI leaves the order of collectives issued from several threads on one "
+         "communicator undefined: they could pair differently on each rank. Give each thread "
+         "a communicator of its own (comm.Dup(), made in the same order on every rank).";
+}
 
-  // Communicators by vjpmpi's number for them (the `comm` attribute), and those with
-  // an agreement window, in the order they were opened (closed in reverse at finalize).
-  CommTable comms;
-  std::vector<CommEntry*> open_channels;
-  int comm_key = MPI_KEYVAL_INVALID;  // the attribute that holds a communicator's number
-  std::once_flag comm_keys;
-  // The node of each COMM_WORLD rank (a number per node; set once from Python at import,
-  // before the first communicator gets its number); empty: not known.
-  std::vector<int> world_nodes;
+// FNV-1a, 64 bits: call sites and messages are named by the hash of their text, the
+// same in every process (programs hold no per-process numbers for them).
+int64_t TextHash(const std::string& s) {
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ULL;
+  h &= 0x7fffffffffffffffULL;
+  return static_cast<int64_t>(h == 0 ? 1 : h);
+}
 
-  // Receive statuses by slot (the `status` attribute): the address of a live
-  // mpi4py MPI.Status, removed when the object dies.
-  std::mutex status_mutex;
-  std::unordered_map<int64_t, MPI_Status*> statuses;
 
-  // Settings (configure()); `agreement` is off only in the benchmark that measures it.
-  std::atomic<bool> check_enabled{false};
-  std::atomic<bool> agreement{true};
-  std::atomic<double> timeout_seconds{0.0};
-  std::atomic<double> warn_seconds{60.0};  // VJPMPI_WARN_AFTER (0: no warnings)
+// The fingerprint fields of `c` in `e` (the rest is filled by the caller).
+void Fingerprint(const Call& c, Entry& e) {
+  std::strncpy(e.op, c.op, sizeof(e.op) - 1);  // (zero-filled)
+  e.op[sizeof(e.op) - 1] = '\0';
+  e.kind = static_cast<int32_t>(c.kind);
+  e.red = (c.uses & kUsesRed) ? static_cast<int32_t>(c.red) : 0;
+  e.root = (c.uses & kUsesRoot) ? c.root : 0;
+  e.flags = c.uses | (c.reverse ? kReverse : 0);
+  PackDims(c.dims, c.ndim, e.dims, &e.ndim);
+}
 
-  // The default communicator's entry, its window opened at import (OpenWorld): each
-  // rank's header there says whether it has called MPI_Finalize and what it refused at
-  // trace time, for the ranks that wait for it on any communicator.
-  std::atomic<CommEntry*> world{nullptr};
-  int64_t refusal_serial = 0;  // (under site_mutex)
-  // Held by the watchdog while it reads a window, and by CloseChannel while it frees one.
-  std::mutex channel_mutex;
-
-  // Kernel entries that found another vjpmpi kernel of this process still
-  // running: with a correct token chain this stays 0 (checked by the tests).
-  std::atomic<int64_t> in_flight{0};
-  std::atomic<int64_t> overlaps{0};
-  std::atomic<int64_t> calls{0};
-  std::atomic<int64_t> async_calls{0};  // calls run on a communicator's thread
-  // Collectives whose ranks were compared before they ran (first runs of programs,
-  // every collective under VJPMPI_CHECK): what the agreement costs, for the tests.
-  std::atomic<int64_t> verified{0};
-
-  // Opt-in trace (VJPMPI_TRACE=1 when the CPU module is loaded): the sequence of
-  // collectives this process ran, to compare across ranks.
-  const bool tracing = [] {
-    const char* v = std::getenv("VJPMPI_TRACE");
-    return v != nullptr && v[0] != '\0' && v[0] != '0';
-  }();
-  std::mutex trace_mutex;
-  std::vector<std::string> trace_log;
-
-  // The calls the watchdog looks at: each thread's call moving data in its slot (Guard),
-  // and here the others (started calls in flight, a thread's second call), by a number
-  // of their own, from their start (NowNs; 0: paused) until they end.
-  static constexpr int kSlots = 512;
-  WatchSlot slots[kSlots];
-  std::atomic<int> slots_used{0};  // (slots past this one were never taken)
-  struct Watch {
-    const char* op;
-    int64_t site;
-    MPI_Comm comm;
-    int64_t start;
-  };
-  std::mutex watch_mutex;
-  std::map<uint64_t, Watch> watched;
-  uint64_t next_watch = 1;
-  std::once_flag watchdog_started;
-};
-
-// Bump when Runtime changes (members, order or meaning).
-inline constexpr uint32_t kRuntimeLayout = 5;
-inline constexpr uint64_t kRuntimeMagic = 0x766a706d70697274ULL;  // "vjpmpirt"
-
-#define VJPMPI_STR2(x) #x
-#define VJPMPI_STR(x) VJPMPI_STR2(x)
-#if defined(OPEN_MPI) && OPEN_MPI
-#define VJPMPI_MPI_ABI "openmpi"
-#elif defined(MPICH_VERSION)
-#define VJPMPI_MPI_ABI "mpich"
-#else
-#define VJPMPI_MPI_ABI "unknown"
-#endif
-#ifdef __VERSION__
-#define VJPMPI_COMPILER __VERSION__
-#else
-#define VJPMPI_COMPILER "unknown compiler"
-#endif
-// What a module's Runtime layout depends on beyond the layout number and size.
-inline constexpr char kRuntimeBuild[] = VJPMPI_COMPILER
-    "; libstdc++ cxx11 abi " VJPMPI_STR(_GLIBCXX_USE_CXX11_ABI) "; MPI " VJPMPI_MPI_ABI;
-
-// What runtime_capsule() points at: a plain struct, checked field by field
-// before the Runtime behind it is used.
-struct RuntimeHandle {
-  uint64_t magic;
-  uint32_t layout;
-  uint32_t size;     // sizeof(Runtime)
-  char build[160];   // kRuntimeBuild
-  Runtime* runtime;
-};
-inline constexpr const char* kRuntimeCapsule = "vjpmpi.runtime";
-
-#ifdef VJPMPI_RUNTIME_OWNER
-inline Runtime owned_runtime;
-inline std::atomic<Runtime*> current_runtime{&owned_runtime};
-#else
-inline std::atomic<Runtime*> current_runtime{nullptr};  // set by AttachRuntime
-#endif
-
-inline Runtime* CurrentRuntime() { return current_runtime.load(std::memory_order_acquire); }
-
-inline RuntimeHandle MakeRuntimeHandle(Runtime* rt) {
-  RuntimeHandle h{};
-  h.magic = kRuntimeMagic;
-  h.layout = kRuntimeLayout;
-  h.size = static_cast<uint32_t>(sizeof(Runtime));
-  std::snprintf(h.build, sizeof(h.build), "%s", kRuntimeBuild);
-  h.runtime = rt;
+uint64_t FingerprintHash(const Entry& e) {
+  uint64_t h = 0;
+  for (char ch : e.op) h = Mix(h, static_cast<unsigned char>(ch));
+  h = Mix(h, e.kind);
+  h = Mix(h, e.red);
+  h = Mix(h, static_cast<uint32_t>(e.root));
+  h = Mix(h, e.flags & (kReverse | kUsesRed | kUsesRoot));
+  h = Mix(h, e.ndim);
+  for (int i = 0; i < kMaxDims; ++i) h = Mix(h, static_cast<uint64_t>(e.dims[i]));
   return h;
 }
 
-// Attach this module to the runtime behind `h`; "" on success, else why not.
-inline std::string AttachRuntime(const RuntimeHandle* h, const char* module) {
-  std::string where = std::string("vjpmpi: cannot attach ") + module + " to vjpmpi's runtime: ";
-  if (h == nullptr || h->magic != kRuntimeMagic) {
-    return where + "the capsule does not hold a vjpmpi runtime handle";
+bool SameCollective(const Entry& a, const Entry& b) {
+  return std::strncmp(a.op, b.op, sizeof(a.op)) == 0 && a.kind == b.kind && a.red == b.red &&
+         a.root == b.root && (a.flags & kReverse) == (b.flags & kReverse) && a.ndim == b.ndim &&
+         std::memcmp(a.dims, b.dims, sizeof(a.dims)) == 0;
+}
+
+// "allreduce(SUM) on float32[2, 3]", from a published entry.
+std::string Describe(const Entry& e) {
+  std::string s = std::string(e.op, strnlen(e.op, sizeof(e.op))) + "(";
+  std::vector<std::string> parts;
+  if (e.flags & kUsesRed) {
+    auto names = ReductionNames();
+    parts.push_back(e.red >= 0 && e.red < static_cast<int>(names.size()) ? names[e.red] : "?");
   }
-  RuntimeHandle mine = MakeRuntimeHandle(nullptr);
-  if (h->layout != mine.layout || h->size != mine.size ||
-      std::strncmp(h->build, mine.build, sizeof(mine.build)) != 0) {
-    return where + "it was built differently from the CPU module (runtime layout " +
-           std::to_string(h->layout) + ", " + std::to_string(h->size) + " bytes, built with " +
-           std::string(h->build, strnlen(h->build, sizeof(h->build))) + "; this module: layout " +
-           std::to_string(mine.layout) + ", " + std::to_string(mine.size) + " bytes, built with " +
-           mine.build + "). Reinstall vjpmpi so that all its modules come from one build.";
+  if (e.flags & kUsesRoot) parts.push_back("root=" + std::to_string(e.root));
+  for (size_t i = 0; i < parts.size(); ++i) s += (i ? ", " : "") + parts[i];
+  s += ")";
+  if (e.flags & kReverse) s += " from the last rank down";
+  s += std::string(" on ") + KindName(static_cast<Kind>(e.kind)) + "[";
+  for (int i = 0; i < e.ndim && i < kMaxDims; ++i) {
+    s += (i ? ", " : "") + std::to_string(e.dims[i]);
   }
-  if (h->runtime == nullptr) return where + "the handle holds no runtime";
-  Runtime* expected = nullptr;
-  if (!current_runtime.compare_exchange_strong(expected, h->runtime) && expected != h->runtime) {
-    return where + "it is already attached to another runtime";
-  }
-  return {};
+  if (e.ndim > kMaxDims) s += ", ...";
+  return s + "]";
 }
 
-inline std::string SiteText(Runtime& rt, int64_t site) {
-  std::lock_guard<std::mutex> lock(rt.site_mutex);
-  auto it = rt.sites.find(site);
-  return it == rt.sites.end() ? std::string() : it->second;
-}
-
-inline std::string Site(Runtime& rt, int64_t site, const char* op) {
-  std::string text = site ? SiteText(rt, site) : std::string();
-  return text.empty() ? std::string(op) : text;
-}
-
-inline int64_t RegisterSite(Runtime& rt, const std::string& text) {
-  int64_t h = TextHash(text);
-  std::lock_guard<std::mutex> lock(rt.site_mutex);
-  rt.sites.emplace(h, text);
-  return h;
-}
-
-inline int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-// Whether the watchdog looks at calls: it warns (VJPMPI_WARN_AFTER) or ends the job
-// (VJPMPI_TIMEOUT).
-inline bool Watching(const Runtime& rt) {
-  return rt.timeout_seconds.load(std::memory_order_relaxed) > 0 ||
-         rt.warn_seconds.load(std::memory_order_relaxed) > 0;
-}
-
-// The watchdog's other entries (Runtime::watched): WatchCall returns 0 (nothing watched)
-// while it does not look.
-inline uint64_t WatchCall(Runtime& rt, const char* op, int64_t site, MPI_Comm comm) {
-  if (!Watching(rt)) return 0;
-  std::lock_guard<std::mutex> lock(rt.watch_mutex);
-  uint64_t id = rt.next_watch++;
-  rt.watched[id] = Runtime::Watch{op, site, comm, NowNs()};
-  return id;
-}
-// (`start` 0: paused)
-inline void Rewatch(Runtime& rt, uint64_t id, int64_t start) {
-  if (id == 0) return;
-  std::lock_guard<std::mutex> lock(rt.watch_mutex);
-  auto it = rt.watched.find(id);
-  if (it != rt.watched.end()) it->second.start = start;
-}
-inline void Unwatch(Runtime& rt, uint64_t id) {
-  if (id == 0) return;
-  std::lock_guard<std::mutex> lock(rt.watch_mutex);
-  rt.watched.erase(id);
-}
-
-// This thread's watch slot, held until the thread ends (nullptr: every slot is taken).
-inline WatchSlot* ThreadSlot(Runtime& rt) {
-  struct Held {
-    WatchSlot* slot = nullptr;
-    ~Held() {
-      if (slot != nullptr) {
-        slot->call.store(0, std::memory_order_release);
-        slot->taken.store(false, std::memory_order_release);
+// Which arguments two collectives differ in, in the public API's words.
+std::string Differences(const std::vector<Entry>& all, const std::vector<bool>& have) {
+  std::vector<std::string> what;
+  auto any = [&](auto differ) {
+    for (size_t q = 0; q < all.size(); ++q) {
+      for (size_t r = 0; r < all.size(); ++r) {
+        if (have[q] && have[r] && differ(all[q], all[r])) return true;
       }
     }
+    return false;
   };
-  thread_local Held held;
-  if (held.slot != nullptr) return held.slot;
-  for (int i = 0; i < Runtime::kSlots; ++i) {
-    bool free = false;
-    if (rt.slots[i].taken.load(std::memory_order_relaxed) ||
-        !rt.slots[i].taken.compare_exchange_strong(free, true, std::memory_order_acq_rel)) {
-      continue;
-    }
-    held.slot = &rt.slots[i];
-    int used = rt.slots_used.load(std::memory_order_acquire);
-    while (used < i + 1 && !rt.slots_used.compare_exchange_weak(used, i + 1)) {
-    }
-    break;
+  if (any([](const Entry& a, const Entry& b) {
+        return std::strncmp(a.op, b.op, sizeof(a.op)) != 0 || (a.flags & kReverse) != (b.flags & kReverse);
+      })) {
+    what.push_back("the collective");
   }
-  return held.slot;
-}
-
-// A point-to-point call's peer, the rank it waits for (-1: none, or any).
-inline int PeerOf(const Call& c, bool collective) {
-  if (collective) return -1;
-  int peer = std::strcmp(c.op, "send") == 0 ? c.peer : c.peer2;
-  return peer >= 0 ? peer : -1;
-}
-
-struct Guard {
-  Runtime& rt;
-  WatchSlot* slot = nullptr;  // this thread's, holding this call
-  uint64_t watch = 0;         // else an entry of Runtime::watched
-  // (`k`: a collective's number on `entry`, where the ranks have agreed on it already)
-  Guard(Runtime& r, const char* name, int64_t site, MPI_Comm comm, CommEntry* entry = nullptr,
-        int peer = -1, int64_t k = 0)
-      : rt(r) {
-    if (rt.tracing) {
-      std::lock_guard<std::mutex> lock(rt.trace_mutex);
-      rt.trace_log.emplace_back(name);
-    }
-    rt.calls.fetch_add(1, std::memory_order_relaxed);
-    if (rt.in_flight.fetch_add(1, std::memory_order_acq_rel) != 0) {
-      rt.overlaps.fetch_add(1, std::memory_order_relaxed);
-    }
-    if (!Watching(rt)) return;
-    WatchSlot* s = ThreadSlot(rt);
-    if (s == nullptr || s->call.load(std::memory_order_relaxed) != 0) {  // (a second call)
-      watch = WatchCall(rt, name, site, comm);
-      return;
-    }
-    slot = s;
-    // (what the watchdog reads past this fence belongs to a call number it has not seen)
-    std::atomic_thread_fence(std::memory_order_release);
-    s->op.store(name, std::memory_order_relaxed);
-    s->site.store(site, std::memory_order_relaxed);
-    s->comm.store(comm, std::memory_order_relaxed);
-    s->entry.store(entry, std::memory_order_relaxed);
-    s->k.store(k, std::memory_order_relaxed);
-    s->peer.store(peer, std::memory_order_relaxed);
-    s->call.store(++s->serial, std::memory_order_release);
+  if (any([](const Entry& a, const Entry& b) { return a.kind != b.kind; })) what.push_back("dtype");
+  if (any([](const Entry& a, const Entry& b) {
+        return a.ndim != b.ndim || std::memcmp(a.dims, b.dims, sizeof(a.dims)) != 0;
+      })) {
+    what.push_back("shape");
   }
-  ~Guard() {
-    if (slot != nullptr) slot->call.store(0, std::memory_order_release);
-    Unwatch(rt, watch);
-    rt.in_flight.fetch_sub(1, std::memory_order_acq_rel);
+  if (any([](const Entry& a, const Entry& b) { return a.red != b.red; })) what.push_back("'op'");
+  if (any([](const Entry& a, const Entry& b) { return a.root != b.root; })) what.push_back("'root'");
+  std::string s;
+  for (size_t i = 0; i < what.size(); ++i) {
+    s += (i == 0 ? "" : i + 1 == what.size() ? " and " : ", ") + what[i];
   }
-  // The ranks' agreement keeps time itself (it says where each rank is): the watchdog
-  // looks at the collective only once it starts moving data, as collective #k of its
-  // communicator.
-  void Pause() {
-    if (slot != nullptr) slot->call.store(0, std::memory_order_release);
-    Rewatch(rt, watch, 0);
-  }
-  void Resume(int64_t k) {
-    if (slot != nullptr) {
-      std::atomic_thread_fence(std::memory_order_release);
-      slot->k.store(k, std::memory_order_relaxed);
-      slot->call.store(++slot->serial, std::memory_order_release);
-    }
-    Rewatch(rt, watch, NowNs());
-  }
-};
-
-// Using vjpmpi after MPI_Finalize is an error, not a crash.
-inline std::string CheckAlive(const char* op) {
-  int fin = 0;
-  MPI_Finalized(&fin);
-  if (fin) return std::string("vjpmpi.") + op + ": MPI has already been finalized";
-  return {};
+  return s;
 }
 
 // ------------------------------------------------------- communicators --
 // MPI calls this when a communicator with a vjpmpi number is freed: its programs
 // then fail (the number is never given to another communicator), and its window
 // is freed with it (collectively: every rank frees the communicator).
-inline void CloseChannel(Runtime& rt, CommEntry& e) {
+void CloseChannel(Runtime& rt, CommEntry& e) {
   Channel* ch;
   {
     std::lock_guard<std::mutex> reading(rt.channel_mutex);  // (after the watchdog's read)
@@ -374,9 +167,9 @@ inline void CloseChannel(Runtime& rt, CommEntry& e) {
   delete ch;
 }
 
-inline int FreedComm(MPI_Comm, int, void* value, void*) {
-  Runtime* rt = CurrentRuntime();
-  CommEntry* e = rt ? rt->comms.Get(static_cast<int64_t>(reinterpret_cast<intptr_t>(value))) : nullptr;
+int FreedComm(MPI_Comm, int, void* value, void*) {
+  Runtime* rt = &runtime;
+  CommEntry* e = rt->comms.Get(static_cast<int64_t>(reinterpret_cast<intptr_t>(value)));
   if (e == nullptr) return MPI_SUCCESS;
   e->comm.store(MPI_COMM_NULL, std::memory_order_release);
   CloseChannel(*rt, *e);
@@ -388,9 +181,8 @@ inline int FreedComm(MPI_Comm, int, void* value, void*) {
 // rank that waits for this one to reach a collective learns that it never will), and
 // the windows are freed, collectively, in the reverse of the order they were opened in
 // (every rank opened its windows in an order that ran, so the reverse order runs too).
-inline int Finalizing(MPI_Comm, int, void*, void*) {
-  Runtime* rt = CurrentRuntime();
-  if (rt == nullptr) return MPI_SUCCESS;
+int Finalizing(MPI_Comm, int, void*, void*) {
+  Runtime* rt = &runtime;
   std::vector<CommEntry*> open;
   {
     std::lock_guard<std::mutex> lock(rt->comms.mutex);
@@ -404,7 +196,7 @@ inline int Finalizing(MPI_Comm, int, void*, void*) {
 // Whether `comm`'s processes are on more than one node, by Runtime::world_nodes (a
 // process outside COMM_WORLD counts as another node; nodes not known: false). Local MPI
 // calls only: a communicator's first use is no collective point.
-inline bool SpansNodes(const Runtime& rt, MPI_Comm comm, int size) {
+bool SpansNodes(const Runtime& rt, MPI_Comm comm, int size) {
   if (size < 2 || rt.world_nodes.empty()) return false;
   MPI_Group group, world;
   MPI_Comm_group(comm, &group);
@@ -424,7 +216,7 @@ inline bool SpansNodes(const Runtime& rt, MPI_Comm comm, int size) {
 
 // Each rank's place in the default communicator `world` (CommEntry::in_world, group).
 // Local MPI calls only.
-inline void PlaceInWorld(CommEntry& e, MPI_Comm comm, MPI_Comm world) {
+void PlaceInWorld(CommEntry& e, MPI_Comm comm, MPI_Comm world) {
   MPI_Group group, all;
   MPI_Comm_group(comm, &group);
   MPI_Comm_group(world, &all);
@@ -444,7 +236,7 @@ inline void PlaceInWorld(CommEntry& e, MPI_Comm comm, MPI_Comm world) {
 
 // vjpmpi's number for `comm` (given at its first use, kept on it as an attribute, so
 // every mpi4py object of one communicator has the same number).
-inline std::string CommNumber(Runtime& rt, MPI_Comm comm, int64_t* id) {
+std::string CommNumber(Runtime& rt, MPI_Comm comm, int64_t* id) {
   std::call_once(rt.comm_keys, [&rt] {
     MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, FreedComm, &rt.comm_key, nullptr);
     int self_key = MPI_KEYVAL_INVALID;
@@ -478,7 +270,7 @@ inline std::string CommNumber(Runtime& rt, MPI_Comm comm, int64_t* id) {
 // thread (XLA runs a program on the thread that calls it unless it has work to hand
 // to its own threads first) must run on the thread that owns the communicator: the
 // first Python thread that traced or ran a collective on it (Python sets `owner`).
-inline std::string Resolve(Runtime& rt, Call& c, int64_t id, bool collective, CommEntry** out) {
+std::string Resolve(Runtime& rt, Call& c, int64_t id, bool collective, CommEntry** out) {
   CommEntry* e = rt.comms.Get(id);
   if (e == nullptr) {
     return std::string("vjpmpi.") + c.op + ": this program names communicator #" +
@@ -504,15 +296,10 @@ inline std::string Resolve(Runtime& rt, Call& c, int64_t id, bool collective, Co
 }
 
 // ---------------------------------------------------------- agreement --
-// What one read of another rank's window gives: its header's first fields and one slot.
-struct Peek {
-  int64_t finalized, invalid_k, count;
-  Entry entry;
-};
 
 // Wait for `n` requests; with a deadline (ns since epoch, 0: none) give up when it passes
 // (*late; the requests are left to the job's end).
-inline std::string AwaitReads(int n, MPI_Request* r, const char* op, int64_t deadline,
+std::string AwaitReads(int n, MPI_Request* r, const char* op, int64_t deadline,
                               bool* late) {
   for (int64_t nap = 0;;) {  // (a rank outside MPI may leave its reads pending)
     int done = 0;
@@ -530,8 +317,8 @@ inline std::string AwaitReads(int n, MPI_Request* r, const char* op, int64_t dea
 
 // One read of rank q's window; with a deadline (ns since epoch, 0: none) it gives up
 // when the deadline passes (*late; the requests are left to the job's end).
-inline std::string Read(Channel& ch, int q, int64_t slot_k, Peek* out, const char* op,
-                        int64_t deadline = 0, bool* late = nullptr) {
+std::string Read(Channel& ch, int q, int64_t slot_k, Peek* out, const char* op,
+                        int64_t deadline, bool* late) {
   MPI_Request r[2];
   std::string e = Check(MPI_Rget(out, 24, MPI_BYTE, q, 0, 24, MPI_BYTE, ch.win, &r[0]), op,
                         "MPI_Rget (agreement)");
@@ -549,7 +336,7 @@ inline std::string Read(Channel& ch, int q, int64_t slot_k, Peek* out, const cha
 // Rank q (of `e`)'s header in the default communicator's window, up to its message: its
 // finalized flag and refusal note. False when there is no such window, q is not in it, or
 // MPI does not complete the read within a second.
-inline bool ReadPresence(Runtime& rt, const CommEntry& e, int q, Header* out) {
+bool ReadPresence(Runtime& rt, const CommEntry& e, int q, Header* out) {
   CommEntry* world = rt.world.load();
   if (world == nullptr || world->channel == nullptr || q < 0 ||
       q >= static_cast<int>(e.in_world.size()) || e.in_world[q] < 0) {
@@ -567,35 +354,18 @@ inline bool ReadPresence(Runtime& rt, const CommEntry& e, int q, Header* out) {
 
 // Whether rank q's refusal note `n` refuses collective #k of `e`, `op` with root `root`
 // (-1: an op without one).
-inline bool Refuses(const Refusal& n, const CommEntry& e, int64_t k, const char* op, int root) {
+bool Refuses(const Refusal& n, const CommEntry& e, int64_t k, const char* op, int root) {
   return n.serial != 0 && n.serial == n.serial_end && n.k == k && n.group == e.group &&
          std::strncmp(n.op, op, sizeof(n.op)) == 0 && n.root == root;
 }
 
-// A peer's refusal note, as a rank that waits for that peer sees it: acted on once the
-// same note has stood for a second (the refusing rank clears its note when it goes on to
-// its next collective there: a rank that skipped the refused call is not taken for one
-// that refused the next).
-struct RefusalSeen {
-  static constexpr int64_t kSettleNs = 1000000000;
-  int peer = -1;
-  int64_t serial = 0, since = 0;
-  bool Settled(int q, const Refusal& n, int64_t now) {
-    if (q != peer || n.serial != serial) {
-      peer = q;
-      serial = n.serial;
-      since = now;
-    }
-    return now - since >= kSettleNs;
-  }
-};
 
-inline std::string RefusalText(const Refusal& n) {
+std::string RefusalText(const Refusal& n) {
   return std::string(n.message, strnlen(n.message, sizeof(n.message)));
 }
 
 // The error of a rank whose peer q refused the collective it waits in.
-inline std::string RefusedError(int q, const Refusal& n, const std::string& where) {
+std::string RefusedError(int q, const Refusal& n, const std::string& where) {
   return RefusalText(n) + "\n(rank " + std::to_string(q) + " refused it when it traced the call, "
          "raising this there, and will not run it; the ranks waiting in it stop here: " + where +
          ")";
@@ -603,14 +373,14 @@ inline std::string RefusedError(int q, const Refusal& n, const std::string& wher
 
 // The limit a wait that keeps its own time gives up at: VJPMPI_TIMEOUT, else 60 s under
 // VJPMPI_CHECK, else none (0).
-inline double TimeLimit(const Runtime& rt) {
+double TimeLimit(const Runtime& rt) {
   double limit = rt.timeout_seconds.load();
   if (limit <= 0 && rt.check_enabled.load(std::memory_order_relaxed)) limit = 60.0;
   return limit;
 }
 
 // What a call is, in messages: its call site's description, else its op and arrays.
-inline std::string CallText(Runtime& rt, const Call& c) {
+std::string CallText(Runtime& rt, const Call& c) {
   std::string site = c.site ? SiteText(rt, c.site) : std::string();
   if (!site.empty()) return site;
   Entry e{};
@@ -619,7 +389,7 @@ inline std::string CallText(Runtime& rt, const Call& c) {
 }
 
 // "rank 0 of 4 has waited 61.0 s in <what>, on a communicator of 2 ranks (rank 0 there)"
-inline std::string Waiting(const std::string& what, int csize, int crank, double waited) {
+std::string Waiting(const std::string& what, int csize, int crank, double waited) {
   int world = 0, size = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &world);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -630,7 +400,7 @@ inline std::string Waiting(const std::string& what, int csize, int crank, double
 }
 
 // What a warning says after where the call is.
-inline std::string StillWaiting(const Runtime& rt) {
+std::string StillWaiting(const Runtime& rt) {
   char tail[512];
   std::snprintf(tail, sizeof(tail),
                 " Still waiting: another rank may still be computing or compiling, or be in "
@@ -642,7 +412,7 @@ inline std::string StillWaiting(const Runtime& rt) {
   return tail;
 }
 
-inline void Warn(const Runtime& rt, const std::string& what) {
+void Warn(const Runtime& rt, const std::string& what) {
   std::fprintf(stderr, "vjpmpi: warning (VJPMPI_WARN_AFTER=%g s): %s\n",
                rt.warn_seconds.load(), what.c_str());
   std::fflush(stderr);
@@ -650,7 +420,7 @@ inline void Warn(const Runtime& rt, const std::string& what) {
 
 // The job ends: a rank that cannot be told is inside the collective (or gone).
 // The job ends with `msg` (on stderr) when the ranks that must hear of an error cannot.
-[[noreturn]] inline void AbortWith(const std::string& msg, const char* why) {
+[[noreturn]] void AbortWith(const std::string& msg, const char* why) {
   std::fprintf(stderr, "%s\nAborting the job%s.\n", msg.c_str(), why);
   std::fflush(stderr);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
@@ -664,7 +434,7 @@ inline void Warn(const Runtime& rt, const std::string& what) {
 // MPI_Finalize ends the job, a refusal of this very collective (RefusalSeen) is this rank's
 // error (the idup stays pending in `e`: the next collective there completes it); past
 // VJPMPI_WARN_AFTER a warning, past TimeLimit the end of the job.
-inline std::string AwaitOpening(Runtime& rt, CommEntry& e, const Call& c) {
+std::string AwaitOpening(Runtime& rt, CommEntry& e, const Call& c) {
   const int64_t start = NowNs();
   const double limit = TimeLimit(rt), warn = rt.warn_seconds.load();
   const int root = (c.uses & kUsesRoot) ? c.root : -1;
@@ -725,7 +495,7 @@ inline std::string AwaitOpening(Runtime& rt, CommEntry& e, const Call& c) {
 
 // A communicator's window, opened at its first collective `c` (collectively; the default
 // communicator's at import, `c` null).
-inline std::string OpenChannel(Runtime& rt, CommEntry& e, const Call* c) {
+std::string OpenChannel(Runtime& rt, CommEntry& e, const Call* c) {
   const char* op = c ? c->op : "import";
   std::string err;
   if (e.opening == MPI_REQUEST_NULL && e.opening_dup == MPI_COMM_NULL) {
@@ -772,7 +542,7 @@ inline std::string OpenChannel(Runtime& rt, CommEntry& e, const Call* c) {
 // The default communicator (vjpmpi's number `id`): its window opened at import, where
 // every rank makes it (vjpmpi._mpi.default_comm), and its ranks' places (each rank's
 // place in it is the identity).
-inline std::string OpenWorld(Runtime& rt, int64_t id) {
+std::string OpenWorld(Runtime& rt, int64_t id) {
   CommEntry* e = rt.comms.Get(id);
   if (e == nullptr) return "vjpmpi: no such communicator number";
   PlaceInWorld(*e, e->comm.load(), e->comm.load());
@@ -790,7 +560,7 @@ inline std::string OpenWorld(Runtime& rt, int64_t id) {
   return {};
 }
 
-inline std::string ReadMessage(Channel& ch, int q) {
+std::string ReadMessage(Channel& ch, int q) {
   Header h{};
   MPI_Request r;
   if (MPI_Rget(&h, sizeof(h), MPI_BYTE, q, 0, sizeof(h), MPI_BYTE, ch.win, &r) != MPI_SUCCESS) {
@@ -806,7 +576,7 @@ inline std::string ReadMessage(Channel& ch, int q) {
 enum PeerState { kWaiting, kHave, kAhead, kFinalized, kUnread, kRefused };
 
 // The rows of a message: each rank's collective #k (or where it is instead).
-inline std::string Rows(Runtime& rt, const std::vector<Entry>& all,
+std::string Rows(Runtime& rt, const std::vector<Entry>& all,
                         const std::vector<int>& state, int me) {
   std::string s;
   for (size_t q = 0; q < all.size(); ++q) {
@@ -839,7 +609,7 @@ inline std::string Rows(Runtime& rt, const std::vector<Entry>& all,
 
 // Where each rank is (Rows), and the last collective of those that have not come: what a
 // warning or a timeout of the ranks' agreement on collective #k says.
-inline std::string Places(Runtime& rt, Channel& ch, const std::vector<Entry>& all,
+std::string Places(Runtime& rt, Channel& ch, const std::vector<Entry>& all,
                           const std::vector<int>& state, int me, const char* op) {
   std::string msg = Rows(rt, all, state, me);
   Peek p{};
@@ -861,7 +631,7 @@ inline std::string Places(Runtime& rt, Channel& ch, const std::vector<Entry>& al
 // agree, else the error (raised when every rank compares, else the job ends). *refused:
 // the error is a rank's refusal of this collective at trace time (RefusalSeen): that rank
 // never publishes it, and the caller takes this rank's entry back.
-inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine,
+std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine,
                           const std::string& invalid_message, std::vector<Entry>& all,
                           std::vector<int>& state, bool* refused) {
   Channel& ch = *ce.channel;
@@ -1074,14 +844,14 @@ inline std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine
 
 // A communicator's window, opened at its first collective `c` (collectively: every rank
 // of it runs that collective; AwaitOpening keeps its time).
-inline std::string EnsureChannel(Runtime& rt, CommEntry& ce, const Call& c) {
+std::string EnsureChannel(Runtime& rt, CommEntry& ce, const Call& c) {
   if (ce.size <= 1 || ce.channel != nullptr) return {};
   return OpenChannel(rt, ce, &c);
 }
 
 // Before a collective's data moves: number and publish it; when this rank compares
 // this run of its program (a program new to it here, or VJPMPI_CHECK), compare it.
-inline std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int64_t run,
+std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int64_t run,
                          const std::string& invalid_message) {
   if (ce.size <= 1) {
     return invalid_message.empty() ? std::string()
@@ -1155,223 +925,11 @@ inline std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int6
   return {};
 }
 
-// ------------------------------------------------------------ watchdog --
-// A call in flight, as the watchdog sees it.
-struct InFlight {
-  uint64_t key;   // its slot (< Runtime::kSlots), or kSlots + its Runtime::watched number
-  uint64_t call;  // its number there
-  const char* op;
-  int64_t site;
-  MPI_Comm comm;
-  CommEntry* entry;
-  int64_t k;
-  int peer;
-  int64_t start;  // when it started (0: not known; timed from when the watchdog sees it)
-};
-
-// What the watchdog remembers of a call between its looks.
-struct Seen {
-  uint64_t call = 0;
-  int64_t since = 0;
-  bool warned = false;
-  int64_t look = 0, every = 0;  // the next inspection, and the interval after it
-  RefusalSeen refusal;
-};
-
-// The calls in flight now: each slot's (what its thread published, read twice), and
-// Runtime::watched's.
-inline std::vector<InFlight> InFlightCalls(Runtime& rt) {
-  std::vector<InFlight> out;
-  const int used = rt.slots_used.load(std::memory_order_acquire);
-  for (int i = 0; i < used; ++i) {
-    WatchSlot& w = rt.slots[i];
-    const uint64_t call = w.call.load(std::memory_order_acquire);
-    if (call == 0) continue;
-    InFlight f{static_cast<uint64_t>(i), call, w.op.load(std::memory_order_relaxed),
-               w.site.load(std::memory_order_relaxed), w.comm.load(std::memory_order_relaxed),
-               w.entry.load(std::memory_order_relaxed), w.k.load(std::memory_order_relaxed),
-               w.peer.load(std::memory_order_relaxed), 0};
-    std::atomic_thread_fence(std::memory_order_acquire);
-    if (w.call.load(std::memory_order_relaxed) == call) out.push_back(f);
-  }
-  std::lock_guard<std::mutex> lock(rt.watch_mutex);
-  for (const auto& [id, w] : rt.watched) {
-    if (w.start == 0) continue;
-    out.push_back(InFlight{Runtime::kSlots + id, id, w.op, w.site, w.comm, nullptr, 0, -1, w.start});
-  }
-  return out;
-}
-
-// Where the other ranks of a call stuck in MPI are, read from their windows by this thread
-// (so only under MPI_THREAD_MULTIPLE, and not while a window is being freed): for
-// collective #k, the ranks that have not reached it (`report`: the text, else ""). A
-// rank that called MPI_Finalize before reaching it (a point-to-point call's peer: at all),
-// or refused it at trace time (a note that has stood for a second), ends the job: the
-// ranks inside the call cannot be told.
-inline std::string Inspect(Runtime& rt, const InFlight& c, Seen& seen, double waited,
-                           bool report) {
-  if (c.entry == nullptr || ThreadLevel() < MPI_THREAD_MULTIPLE) return {};
-  std::unique_lock<std::mutex> lock(rt.channel_mutex, std::try_to_lock);
-  if (!lock.owns_lock()) return {};
-  CommEntry& e = *c.entry;
-  const std::string what = Site(rt, c.site, c.op ? c.op : "?");
-  auto where = [&] { return "vjpmpi: " + Waiting(what, e.size, e.rank, waited); };
-  const char* cannot = " (the ranks inside the call cannot be told)";
-  if (c.k <= 0) {
-    Header h{};
-    if (c.peer >= 0 && ReadPresence(rt, e, c.peer, &h) && h.finalized) {
-      AbortWith(where() + "; rank " + std::to_string(c.peer) + ", its peer, has called "
-                "MPI_Finalize.", cannot);
-    }
-    return report && c.peer >= 0 ? " It waits for rank " + std::to_string(c.peer) + "." : "";
-  }
-  if (e.channel == nullptr) return {};
-  Channel& ch = *e.channel;
-  const Entry mine = *ch.slot(c.k);  // (this rank's entry #k, in its own window)
-  const int root = (mine.flags & kUsesRoot) ? mine.root : -1;
-  std::string behind;
-  int unknown = 0;
-  for (int q = 0; q < e.size; ++q) {
-    Peek p{};
-    bool late = false;
-    if (q == e.rank) continue;
-    if (!Read(ch, q, 0, &p, "watchdog", NowNs() + 1000000000, &late).empty() || late) {
-      ++unknown;
-      continue;
-    }
-    if (p.count >= c.k) continue;  // (in it, or past it)
-    const std::string k_text = "collective #" + std::to_string(c.k);
-    Header h{};
-    const bool refuses = p.count == c.k - 1 && ReadPresence(rt, e, q, &h) &&
-                         Refuses(h.refused, e, c.k, mine.op, root);
-    if (p.finalized && !refuses) {
-      AbortWith(where() + " (its " + k_text + " there); rank " + std::to_string(q) +
-                    " has called MPI_Finalize without running it.",
-                cannot);
-    }
-    if (refuses && (p.finalized || seen.refusal.Settled(q, h.refused, NowNs()))) {
-      AbortWith(RefusedError(q, h.refused, "their " + k_text + " on a communicator of " +
-                                                         std::to_string(e.size) + " ranks"),
-                cannot);
-    }
-    if (!report) continue;
-    behind += (behind.empty() ? "" : "; ") + std::string("rank ") + std::to_string(q);
-    if (p.count > 0 && Read(ch, q, p.count, &p, "watchdog", NowNs() + 1000000000, &late).empty() &&
-        !late && p.entry.k == p.entry.k_end && p.entry.k > 0) {
-      behind += " (its last collective there: #" + std::to_string(p.entry.k) + ", " +
-                Describe(p.entry) + ")";
-    } else if (p.count == 0) {
-      behind += " (no collective there yet)";
-    }
-  }
-  if (!report) return {};
-  std::string text = " It is their collective #" + std::to_string(c.k) + " there; ";
-  if (!behind.empty()) return text + "not there yet: " + behind + ".";
-  if (unknown > 0) return text + "where the other ranks are could not be read.";
-  return text + "every rank has reached it (a rank in it with another array, or a message "
-                "not matched?).";
-}
-
-// The end of a call that has waited past VJPMPI_TIMEOUT: the message, then the job ends.
-[[noreturn]] inline void TimedOut(Runtime& rt, const char* op, int64_t site, MPI_Comm comm,
-                                  double waited, double limit, const std::string& more) {
-  int world = 0, size = 0, rank = -1, csize = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &world);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  if (comm != MPI_COMM_NULL) {
-    MPI_Comm_rank(comm, &rank);
-    MPI_Comm_size(comm, &csize);
-  }
-  std::string where = Site(rt, site, op ? op : "?");
-  std::fprintf(stderr,
-               "vjpmpi: timeout (VJPMPI_TIMEOUT=%g s): rank %d of %d has waited %.1f s in "
-               "%s, on a communicator of %d ranks (rank %d there); the other ranks did not "
-               "join it.%s Aborting the job.\n",
-               limit, world, size, waited, where.c_str(), csize, rank, more.c_str());
-  std::fflush(stderr);
-  // Give the launcher time to forward the message: when another rank has already
-  // exited, mpiexec may tear the job down as soon as MPI_Abort starts and drop it.
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  MPI_Abort(MPI_COMM_WORLD, 3);
-  std::_Exit(3);
-}
-
-// The watchdog: a call in flight (timed from its start, or from when this thread first
-// sees it) is inspected from its first second on (Inspect: every 1, 2, 4, then 5 s),
-// warned about once past VJPMPI_WARN_AFTER, and ends the job past VJPMPI_TIMEOUT (the
-// call that has waited longest).
-inline void Watchdog(Runtime* rtp) {
-  Runtime& rt = *rtp;
-  std::unordered_map<uint64_t, Seen> seen;
-  constexpr int64_t kSecond = 1000000000;
-  for (;;) {
-    const double limit = rt.timeout_seconds.load(), warn = rt.warn_seconds.load();
-    std::this_thread::sleep_for(std::chrono::milliseconds(limit > 0 && limit < 2.0 ? 20 : 100));
-    if (limit <= 0 && warn <= 0) {
-      seen.clear();
-      continue;
-    }
-    int fin = 0;
-    MPI_Finalized(&fin);
-    if (fin) continue;
-    const int64_t now = NowNs();
-    std::unordered_map<uint64_t, Seen> next;
-    const InFlight* longest = nullptr;
-    double longest_wait = -1;
-    std::vector<InFlight> calls = InFlightCalls(rt);
-    for (const InFlight& c : calls) {
-      auto it = seen.find(c.key);
-      Seen s = it != seen.end() && it->second.call == c.call ? it->second : Seen{};
-      if (s.call != c.call) {
-        s.call = c.call;
-        s.since = c.start != 0 ? c.start : now;
-        s.look = s.since + kSecond;
-        s.every = kSecond;
-      }
-      const double waited = (now - s.since) * 1e-9;
-      if (now >= s.look) {
-        Inspect(rt, c, s, waited, false);
-        s.look = now + s.every;
-        s.every = std::min<int64_t>(2 * s.every, 5 * kSecond);
-      }
-      if (!s.warned && warn > 0 && waited >= warn && !(limit > 0 && waited >= limit)) {
-        s.warned = true;
-        Warn(rt, Waiting(Site(rt, c.site, c.op ? c.op : "?"), c.entry ? c.entry->size : 0,
-                         c.entry ? c.entry->rank : -1, waited) +
-                     "." + Inspect(rt, c, s, waited, true) + StillWaiting(rt));
-      }
-      if (waited > longest_wait) {
-        longest_wait = waited;
-        longest = &c;
-      }
-      next[c.key] = s;
-    }
-    seen.swap(next);
-    if (longest != nullptr && limit > 0 && longest_wait >= limit) {
-      Seen s;
-      std::string more = Inspect(rt, *longest, s, longest_wait, true);
-      TimedOut(rt, longest->op, longest->site, longest->comm, longest_wait, limit, more);
-    }
-  }
-}
-
-// One watchdog per runtime, whichever module configures it.
-inline void Configure(Runtime& rt, bool check, double timeout, double warn) {
-  rt.check_enabled.store(check);
-  rt.timeout_seconds.store(timeout);
-  rt.warn_seconds.store(warn);
-  if (timeout > 0 || warn > 0) {
-    Runtime* p = &rt;
-    std::call_once(rt.watchdog_started, [p] { std::thread(Watchdog, p).detach(); });
-  }
-}
-
-// A collective refused at trace time on communicator `id` (vjpmpi.scatter's root, with
 // `root`; -1: an op without one), for the ranks that wait in it (Refusal, in this rank's
 // header of the default communicator's window). `op` "": this rank goes on with a call
 // on `id`, and the note goes if it is about a communicator of the same ranks (its Dups
 // share the group's hash); returns whether a note is left.
-inline bool NoteRefusal(Runtime& rt, int64_t id, const std::string& op, int root,
+bool NoteRefusal(Runtime& rt, int64_t id, const std::string& op, int root,
                         const std::string& message) {
   CommEntry* world = rt.world.load();
   CommEntry* e = rt.comms.Get(id);
