@@ -6,7 +6,7 @@
 // Its collectives belong to the first thread that runs one (MPI leaves collectives
 // issued from several threads on one communicator in an undefined order).
 //
-// (Types here; the protocol and the communicator table in agree.cc.)
+// (Types here; the communicator table in comm.cc, the protocol in agree.cc.)
 //
 // Agreement: on each communicator, every rank publishes each collective it is about to
 // run (op, dtype, per-rank block shape, root, reduction, and a hash of everything it ran
@@ -196,7 +196,10 @@ std::string CommNumber(Runtime& rt, MPI_Comm comm, int64_t* id);
 // thread, that thread's): sets c.comm and *out.
 std::string Resolve(Runtime& rt, Call& c, int64_t id, bool collective, CommEntry** out);
 
-// The default communicator (vjpmpi's number `id`): its window opened at import.
+// Each rank's place in the default communicator `world` (CommEntry::in_world, group).
+void PlaceInWorld(CommEntry& e, MPI_Comm comm, MPI_Comm world);
+
+// The default communicator (vjpmpi's number `id`): its window opened at import (agree.cc).
 std::string OpenWorld(Runtime& rt, int64_t id);
 
 // A collective refused at trace time on communicator `id`, for the ranks that wait in

@@ -151,10 +151,7 @@ void Complete(std::function<void()> job) {
 // communicator's thread; -1: none; kAsyncAuto: kAutoAsyncBytes on a communicator whose
 // processes are on more than one node, none on one within a node. Set from Python
 // (VJPMPI_ASYNC_BYTES at import, vjpmpi.async_threshold), read by each call when it runs.
-std::atomic<int64_t>& AsyncBytes() {
-  static std::atomic<int64_t> bytes{kAsyncAuto};
-  return bytes;
-}
+std::atomic<int64_t> async_bytes{kAsyncAuto};
 
 // The thread support MPI provides (MPI_THREAD_SINGLE ... MPI_THREAD_MULTIPLE).
 int ThreadLevel() {

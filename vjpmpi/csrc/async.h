@@ -77,7 +77,8 @@ void Complete(std::function<void()> job);
 // (VJPMPI_ASYNC_BYTES at import, vjpmpi.async_threshold), read by each call when it runs.
 inline constexpr int64_t kAsyncAuto = -2;
 inline constexpr int64_t kAutoAsyncBytes = 1 << 16;
-std::atomic<int64_t>& AsyncBytes();
+extern std::atomic<int64_t> async_bytes;  // (async.cc)
+inline std::atomic<int64_t>& AsyncBytes() { return async_bytes; }
 
 // The thread support MPI provides (MPI_THREAD_SINGLE ... MPI_THREAD_MULTIPLE).
 int ThreadLevel();

@@ -231,7 +231,7 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
       const bool go = GoesAsync(moved, *ce);
       // (the agreement here, on the calling thread, before the post: on the
       // communicator's thread a later program's first collective once waited for ever
-      // in MPICH, probably the blocking/nonblocking mismatch of vjpmpi_async.h's
+      // in MPICH, probably the blocking/nonblocking mismatch of async.h's
       // GoesAsync, which that version had; not tried again since)
       if (go && Agreeing(*rt, collective)) e = AgreeStep(*rt, c, a, ce, nullptr);
       const int64_t k = go && collective ? ce->count : 0;

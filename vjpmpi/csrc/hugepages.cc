@@ -22,9 +22,8 @@ namespace vjpmpi {
 // buffer's whole 2 MiB pages are marked for huge pages and collapsed into them (Linux
 // 6.1+; a no-op where they are huge already, as in the next calls of a loop on the same
 // buffer; where the kernel refuses, nothing changes but the speed). Host memory only.
-void HugePages(const void* buf, size_t n) {
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (n < 2 * kHuge) return;
+void HugePagesOf(const void* buf, size_t n) {
+  constexpr uintptr_t kHuge = kHugePage;
   uintptr_t start = (reinterpret_cast<uintptr_t>(buf) + kHuge - 1) & ~(kHuge - 1);
   uintptr_t end = (reinterpret_cast<uintptr_t>(buf) + n) & ~(kHuge - 1);
   if (end <= start) return;

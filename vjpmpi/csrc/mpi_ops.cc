@@ -397,7 +397,7 @@ std::string Recurrence(const Call& c, const void* a, const void* b, void* out) {
   return {};
 }
 
-// Agree: no data moves; the call is there for the ranks' agreement alone (vjpmpi_agree.h),
+// Agree: no data moves; the call is there for the ranks' agreement alone (agree.h),
 // which compares what every rank passes (a zero-size array whose shape and dtype are a
 // composite's global array: vjpmpi.fft), so that ranks that disagree, or a rank that
 // refuses its arguments, fail together.

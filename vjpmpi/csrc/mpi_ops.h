@@ -263,7 +263,12 @@ std::string OrderedComm(const Call& c, MPI_Comm* out);
 // --------------------------------------------------------------- memory --
 // (hugepages.cc) A large host buffer's whole 2 MiB pages on huge pages (MPI's
 // shared-memory copies run about 3x faster there); host memory only.
-void HugePages(const void* buf, size_t n);
+// (hot path: the size test inline, the system calls in HugePagesOf)
+inline constexpr size_t kHugePage = size_t{2} << 20;
+void HugePagesOf(const void* buf, size_t n);
+inline void HugePages(const void* buf, size_t n) {
+  if (n >= 2 * kHugePage) HugePagesOf(buf, n);
+}
 // A copy of a block that another process reads next: large ones with streaming stores.
 void StreamCopy(void* dst, const void* src, size_t n);
 
