@@ -79,15 +79,15 @@ try:
 except ImportError:
     cuda = None
 if cuda is not None:
-    # One runtime for every backend: the CUDA handlers use the CPU module's call
-    # sites, settings, counters, trace and watchdog (csrc/vjpmpi_runtime.h).
-    try:
-        cuda.attach_runtime(cpu.runtime_capsule())
-    except (AttributeError, RuntimeError, TypeError) as err:
+    # One runtime for every backend: both modules link the core library
+    # (libvjpmpi_core.so, next to them), where the call sites, settings, counters, trace
+    # and watchdog live (csrc/runtime.h); a module from another build would not share it.
+    if cuda._runtime_address() != cpu._runtime_address():
         raise ImportError(
-            f"vjpmpi's CUDA kernels ({cuda.__file__}) cannot share the CPU kernels' runtime: "
-            f"{err}. Reinstall vjpmpi so that both come from one build."
-        ) from err
+            f"vjpmpi's CUDA kernels ({cuda.__file__}) and CPU kernels ({cpu.__file__}) do "
+            "not share one runtime (they load different copies of libvjpmpi_core.so). "
+            "Reinstall vjpmpi so that both come from one build."
+        )
     if (tuple(cuda.reductions()), tuple(cuda.dtypes())) != (REDUCTIONS, DTYPES):
         raise ImportError(
             f"vjpmpi's CUDA kernels ({cuda.__file__}) and CPU kernels ({cpu.__file__}) use "

@@ -318,7 +318,7 @@ def test_nan_propagates_in_max_and_min(dtype, op):
 
 
 # Blocks of 4 MiB and more: the in-place exchange (a power-of-two communicator) copies
-# each outgoing block with non-temporal stores (StreamCopy, vjpmpi_mpi.h), 64 bytes per
+# each outgoing block with non-temporal stores (StreamCopy, csrc/hugepages.cc), 64 bytes per
 # step, then a tail. Block lengths here are no multiple of 16 bytes, so the loads start
 # unaligned from the second block on and every copy has a tail; one program.
 LARGE_BLOCKS = {"uint8": (np.uint8, (4 << 20) + 3), "float32": (np.float32, (1 << 20) + 5)}

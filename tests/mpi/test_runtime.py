@@ -1,6 +1,6 @@
 """One runtime for every backend, and one source (the C++ tables) for the codes.
 
-- The CUDA module's handlers use the CPU module's runtime: call sites, counters,
+- Both modules' handlers use one runtime, in the core library both link: call sites, counters,
   trace and settings are the same whichever backend runs a call (no GPU needed:
   a test hook enters the same guard a CUDA handler enters).
 - Python's reduction codes and supported dtypes are read from the compiled
@@ -9,6 +9,7 @@
 
 import ctypes
 import os
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -50,57 +51,27 @@ def test_cuda_module_shares_the_cpu_runtime():
         assert vjpmpi.take_trace() == ["cuda_probe", "cpu_probe"]
 
 
-class _Handle(ctypes.Structure):  # mirrors RuntimeHandle in csrc/vjpmpi_runtime.h
-    _fields_ = [("magic", ctypes.c_uint64), ("layout", ctypes.c_uint32),
-                ("size", ctypes.c_uint32), ("build", ctypes.c_char * 160),
-                ("runtime", ctypes.c_void_p)]
-
-
-_CAPSULE = b"vjpmpi.runtime"
-_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_get_pointer.restype, _get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-_new_capsule = ctypes.pythonapi.PyCapsule_New
-_new_capsule.restype = ctypes.py_object
-_new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-
-
 @needs_cuda_module
-def test_attach_refuses_a_runtime_from_another_build():
+def test_both_modules_link_one_core_library():
+    """No capsule between the modules: the runtime is `vjpmpi::runtime` in
+    libvjpmpi_core.so, which both link (found next to them); the address each module's
+    handlers use is that symbol's, and a call entered through the CUDA module is counted
+    by the CPU module's call_counts()."""
     cpu, cuda = _kernels.cpu, _kernels.cuda
-    real = _Handle.from_address(_get_pointer(cpu.runtime_capsule(), _CAPSULE))
-    assert real.runtime == cpu._runtime_address()
-    cuda.attach_runtime(cpu.runtime_capsule())  # again, the same runtime: fine
-
-    with pytest.raises(TypeError, match="attach_runtime expects the capsule of "
-                                        r"_vjpmpi_cpu\.runtime_capsule\(\)"):
-        cuda.attach_runtime(cpu.registrations()["allreduce"])
-    with pytest.raises(TypeError, match="expects the capsule"):
-        cuda.attach_runtime(object())
-
-    keep = []
-
-    def attach(**changes):
-        fake = _Handle.from_buffer_copy(real)
-        for k, v in changes.items():
-            setattr(fake, k, v)
-        keep.append(fake)
-        cuda.attach_runtime(_new_capsule(ctypes.addressof(fake), _CAPSULE, None))
-
-    built_differently = "built differently from the CPU module .* Reinstall vjpmpi"
-    with pytest.raises(RuntimeError, match=built_differently):
-        attach(layout=real.layout + 1)
-    with pytest.raises(RuntimeError, match=built_differently):
-        attach(size=real.size + 8)
-    with pytest.raises(RuntimeError, match=built_differently):
-        attach(build=b"another compiler")
-    with pytest.raises(RuntimeError, match="does not hold a vjpmpi runtime handle"):
-        attach(magic=0)
-    with pytest.raises(RuntimeError, match="holds no runtime"):
-        attach(runtime=None)
-    with pytest.raises(RuntimeError, match="already attached to another runtime"):
-        attach(runtime=ctypes.addressof(keep[0]))  # (never dereferenced)
-    # nothing changed
-    assert cuda._runtime_address() == cpu._runtime_address()
+    assert not hasattr(cpu, "runtime_capsule") and not hasattr(cuda, "attach_runtime")
+    core = Path(cpu.__file__).with_name("libvjpmpi_core.so")
+    assert core.exists() and Path(cuda.__file__).parent == core.parent
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    loaded = {line.split()[-1] for line in maps if line.endswith("/libvjpmpi_core.so")}
+    assert loaded == {str(core.resolve())}, loaded  # one copy, the one next to the modules
+    symbol = ctypes.c_char.in_dll(ctypes.CDLL(str(core)), "_ZN6vjpmpi7runtimeE")
+    assert cpu._runtime_address() == cuda._runtime_address() == ctypes.addressof(symbol)
+    tracing = _kernels.trace_enabled()
+    calls, overlaps = cpu.call_counts()
+    cuda._guard_for_test("cuda_probe", 0)
+    assert cpu.call_counts() == (calls + 1, overlaps)
+    if tracing:
+        assert vjpmpi.take_trace()[-1:] == ["cuda_probe"]
 
 
 # ---------------------------------------------------------- one code table --

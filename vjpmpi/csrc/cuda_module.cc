@@ -1,4 +1,4 @@
-// CUDA backend: the same handlers on XLA's device buffers, in one of two modes.
+// The CUDA backend module (_vjpmpi_cuda): the same handlers on XLA's device buffers, in one of two modes.
 //  - host-staged (default unless MPI is CUDA-aware): copy inputs device -> pinned
 //    host buffers on XLA's stream, synchronise the stream, run the MPI call on the
 //    host copies, copy outputs back and synchronise again (the pinned buffers are
@@ -17,13 +17,17 @@
 #include <string>
 #include <vector>
 
-#include "vjpmpi_mpi.h"
+#include "bindings.h"
+#include "module_common.h"
+#include "nanobind/nanobind.h"
+#include "nanobind/stl/string.h"
 
 namespace vjpmpi {
+namespace {
 
 // ------------------------------------------------------ CUDA-aware MPI --
 // -1: not known (the MPI has no query), 0: no, 1: yes.
-inline int QueryCudaAware() {
+int QueryCudaAware() {
   using OmpiQuery = int (*)();
   using MpichQuery = int (*)(int, int*);
   if (auto q = reinterpret_cast<OmpiQuery>(dlsym(RTLD_DEFAULT, "MPIX_Query_cuda_support"))) {
@@ -37,12 +41,12 @@ inline int QueryCudaAware() {
 }
 
 // Mode: 0 host-staged, 1 CUDA-aware; chosen at configuration (VJPMPI_CUDA_AWARE).
-inline std::atomic<int> cuda_mode{0};
-inline std::string cuda_mode_error;
+std::atomic<int> cuda_mode{0};
+std::string cuda_mode_error;
 
 // setting: "auto" (use device pointers when MPI says it is CUDA-aware),
 // "0" (always stage through host memory), "1" (require a CUDA-aware MPI).
-inline std::string ConfigureCuda(const std::string& setting) {
+std::string ConfigureCuda(const std::string& setting) {
   int aware = QueryCudaAware();
   cuda_mode_error.clear();
   if (setting == "1") {
@@ -64,11 +68,11 @@ inline std::string ConfigureCuda(const std::string& setting) {
   return {};
 }
 
-inline void DeviceCopy(void* dst, const void* src, size_t bytes) {
+void DeviceCopy(void* dst, const void* src, size_t bytes) {
   cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
 }
 
-inline std::string CudaCheck(cudaError_t rc, const char* what) {
+std::string CudaCheck(cudaError_t rc, const char* what) {
   if (rc == cudaSuccess) return {};
   return std::string("vjpmpi (CUDA): ") + what + " failed: " + cudaGetErrorString(rc);
 }
@@ -78,8 +82,8 @@ struct Pinned {
   void* ptr = nullptr;
   size_t bytes = 0;
 };
-inline std::mutex pinned_mutex;
-inline std::vector<Pinned> pinned(3);
+std::mutex pinned_mutex;
+std::vector<Pinned> pinned(3);
 
 struct CudaMem {
   cudaStream_t stream;
@@ -175,17 +179,20 @@ struct CudaMem {
   }
 };
 
+struct CudaBackend {
+  static constexpr bool kAsync = false;  // a handler returns when its MPI call has
+  using Ctx = ffi::PlatformStream<cudaStream_t>;
+  using Mem = CudaMem;
+  static Mem MakeMem(cudaStream_t stream) { return CudaMem(stream); }
+};
+
+}  // namespace
 }  // namespace vjpmpi
 
-#define VJPMPI_CTX_BIND .Ctx<ffi::PlatformStream<cudaStream_t>>()
-#define VJPMPI_CTX_PARAMS_FIRST cudaStream_t stream,
-#define VJPMPI_MEM CudaMem(stream)
-#include "vjpmpi_handlers.h"
-
+// The CUDA backend module: its handlers use the one runtime of the core library
+// (libvjpmpi_core.so), which _vjpmpi_cpu's Python interface configures.
 NB_MODULE(_vjpmpi_cuda, m) {
-  vjpmpi::DefineCommon(m);
-  // attach_runtime(capsule): share the CPU module's runtime (done by vjpmpi/_kernels.py)
-  vjpmpi::DefineAttach(m, "_vjpmpi_cuda");
+  vjpmpi::DefineCommon(m, vjpmpi::Registrations<vjpmpi::CudaBackend>());
   // configure_cuda("auto" | "0" | "1") -> "" or the error every call will report
   m.def("configure_cuda", &vjpmpi::ConfigureCuda);
   m.def("cuda_aware_query", &vjpmpi::QueryCudaAware);

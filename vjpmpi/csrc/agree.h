@@ -6,6 +6,8 @@
 // Its collectives belong to the first thread that runs one (MPI leaves collectives
 // issued from several threads on one communicator in an undefined order).
 //
+// (Types here; the communicator table in comm.cc, the protocol in agree.cc.)
+//
 // Agreement: on each communicator, every rank publishes each collective it is about to
 // run (op, dtype, per-rank block shape, root, reduction, and a hash of everything it ran
 // before) in a ring of entries in an MPI window of its own (MPI_Win_allocate on a
@@ -20,23 +22,21 @@
 // also the position within the program (a rank-dependent trip count or branch).
 #pragma once
 
-#include <Python.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <chrono>
-#include <cstdio>
-#include <cstring>
+#include <cstdint>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <unordered_set>
 #include <vector>
 
-#include "vjpmpi_mpi.h"
+#include "mpi_ops.h"
 
 namespace vjpmpi {
+
+struct Runtime;
 
 inline constexpr int kRing = 256;  // entries each rank keeps per communicator
 
@@ -169,120 +169,85 @@ inline uint64_t ThreadId() {  // (what Python's threading.get_native_id() gives)
   static thread_local uint64_t tid = static_cast<uint64_t>(syscall(SYS_gettid));
   return tid;
 }
-
-// Whether this thread is a Python thread (XLA's own worker threads are not).
-inline bool OnPythonThread() { return PyGILState_GetThisThreadState() != nullptr; }
-
-inline std::string BusyError(int64_t id, int size) {
-  return "another thread of this process is inside a collective on the same communicator "
-         "(vjpmpi's communicator #" + std::to_string(id) + ", of " + std::to_string(size) +
-         " ranks). MPI leaves the order of collectives issued from several threads on one "
-         "communicator undefined: they could pair differently on each rank. Give each thread "
-         "a communicator of its own (comm.Dup(), made in the same order on every rank).";
-}
-
-inline std::string ThreadError(uint64_t me, uint64_t owner, int64_t id, int size) {
-  return "thread " + std::to_string(me) + " runs a collective on a communicator that thread " +
-         std::to_string(owner) + " owns (vjpmpi's communicator #" + std::to_string(id) +
-         ", of " + std::to_string(size) + " ranks; threads as threading.get_native_id() gives "
-         "them; a communicator belongs to the first thread that traces or runs a collective "
-         "on it). MPI leaves the order of collectives issued from several threads on one "
-         "communicator undefined: they could pair differently on each rank. Give each thread "
-         "a communicator of its own (comm.Dup(), made in the same order on every rank).";
-}
+// The error texts of a second thread in a collective on one communicator.
+std::string BusyError(int64_t id, int size);
+std::string ThreadError(uint64_t me, uint64_t owner, int64_t id, int size);
 
 // FNV-1a, 64 bits: call sites and messages are named by the hash of their text, the
 // same in every process (programs hold no per-process numbers for them).
-inline int64_t TextHash(const std::string& s) {
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ULL;
-  h &= 0x7fffffffffffffffULL;
-  return static_cast<int64_t>(h == 0 ? 1 : h);
-}
+int64_t TextHash(const std::string& s);
 
 inline uint64_t Mix(uint64_t h, uint64_t v) {
   h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
   return h * 1099511628211ULL;
 }
 
-// The fingerprint fields of `c` in `e` (the rest is filled by the caller).
-inline void Fingerprint(const Call& c, Entry& e) {
-  std::strncpy(e.op, c.op, sizeof(e.op) - 1);  // (zero-filled)
-  e.op[sizeof(e.op) - 1] = '\0';
-  e.kind = static_cast<int32_t>(c.kind);
-  e.red = (c.uses & kUsesRed) ? static_cast<int32_t>(c.red) : 0;
-  e.root = (c.uses & kUsesRoot) ? c.root : 0;
-  e.flags = c.uses | (c.reverse ? kReverse : 0);
-  PackDims(c.dims, c.ndim, e.dims, &e.ndim);
-}
+// The fingerprint fields of `c` in `e`, and what entries say ("allreduce(SUM) on
+// float32[2, 3]").
+void Fingerprint(const Call& c, Entry& e);
+std::string Describe(const Entry& e);
 
-inline uint64_t FingerprintHash(const Entry& e) {
-  uint64_t h = 0;
-  for (char ch : e.op) h = Mix(h, static_cast<unsigned char>(ch));
-  h = Mix(h, e.kind);
-  h = Mix(h, e.red);
-  h = Mix(h, static_cast<uint32_t>(e.root));
-  h = Mix(h, e.flags & (kReverse | kUsesRed | kUsesRoot));
-  h = Mix(h, e.ndim);
-  for (int i = 0; i < kMaxDims; ++i) h = Mix(h, static_cast<uint64_t>(e.dims[i]));
-  return h;
-}
+// ------------------------------------------------------- communicators --
+// vjpmpi's number for `comm` (given at its first use, kept on it as an attribute, so
+// every mpi4py object of one communicator has the same number).
+std::string CommNumber(Runtime& rt, MPI_Comm comm, int64_t* id);
 
-inline bool SameCollective(const Entry& a, const Entry& b) {
-  return std::strncmp(a.op, b.op, sizeof(a.op)) == 0 && a.kind == b.kind && a.red == b.red &&
-         a.root == b.root && (a.flags & kReverse) == (b.flags & kReverse) && a.ndim == b.ndim &&
-         std::memcmp(a.dims, b.dims, sizeof(a.dims)) == 0;
-}
+// The communicator a program names, if it is alive (and, for a collective on a Python
+// thread, that thread's): sets c.comm and *out.
+std::string Resolve(Runtime& rt, Call& c, int64_t id, bool collective, CommEntry** out);
 
-// "allreduce(SUM) on float32[2, 3]", from a published entry.
-inline std::string Describe(const Entry& e) {
-  std::string s = std::string(e.op, strnlen(e.op, sizeof(e.op))) + "(";
-  std::vector<std::string> parts;
-  if (e.flags & kUsesRed) {
-    auto names = ReductionNames();
-    parts.push_back(e.red >= 0 && e.red < static_cast<int>(names.size()) ? names[e.red] : "?");
-  }
-  if (e.flags & kUsesRoot) parts.push_back("root=" + std::to_string(e.root));
-  for (size_t i = 0; i < parts.size(); ++i) s += (i ? ", " : "") + parts[i];
-  s += ")";
-  if (e.flags & kReverse) s += " from the last rank down";
-  s += std::string(" on ") + KindName(static_cast<Kind>(e.kind)) + "[";
-  for (int i = 0; i < e.ndim && i < kMaxDims; ++i) {
-    s += (i ? ", " : "") + std::to_string(e.dims[i]);
-  }
-  if (e.ndim > kMaxDims) s += ", ...";
-  return s + "]";
-}
+// Each rank's place in the default communicator `world` (CommEntry::in_world, group).
+void PlaceInWorld(CommEntry& e, MPI_Comm comm, MPI_Comm world);
 
-// Which arguments two collectives differ in, in the public API's words.
-inline std::string Differences(const std::vector<Entry>& all, const std::vector<bool>& have) {
-  std::vector<std::string> what;
-  auto any = [&](auto differ) {
-    for (size_t q = 0; q < all.size(); ++q) {
-      for (size_t r = 0; r < all.size(); ++r) {
-        if (have[q] && have[r] && differ(all[q], all[r])) return true;
-      }
+// The default communicator (vjpmpi's number `id`): its window opened at import (agree.cc).
+std::string OpenWorld(Runtime& rt, int64_t id);
+
+// A collective refused at trace time on communicator `id`, for the ranks that wait in
+// it (Refusal); `op` "": this rank goes on with a call on `id`. Whether a note is left.
+bool NoteRefusal(Runtime& rt, int64_t id, const std::string& op, int root,
+                 const std::string& message);
+
+// ---------------------------------------------------------- agreement --
+// A communicator's window, opened at its first collective `c` (collectively).
+std::string EnsureChannel(Runtime& rt, CommEntry& ce, const Call& c);
+
+// Before a collective's data moves: number and publish it; when this rank compares
+// this run of its program (a program new to it here, or VJPMPI_CHECK), compare it.
+std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int64_t run,
+                  const std::string& invalid_message);
+
+// What one read of another rank's window gives: its header's first fields and one slot.
+struct Peek {
+  int64_t finalized, invalid_k, count;
+  Entry entry;
+};
+// One read of rank q's window (deadline: ns, 0: none; *late when it passed).
+std::string Read(Channel& ch, int q, int64_t slot_k, Peek* out, const char* op,
+                 int64_t deadline = 0, bool* late = nullptr);
+// Rank q (of `e`)'s header in the default communicator's window, up to its message.
+bool ReadPresence(Runtime& rt, const CommEntry& e, int q, Header* out);
+// Whether rank q's refusal note `n` refuses collective #k of `e`, `op` with `root`.
+bool Refuses(const Refusal& n, const CommEntry& e, int64_t k, const char* op, int root);
+
+// A peer's refusal note, as a rank that waits for that peer sees it: acted on once the
+// same note has stood for a second (the refusing rank clears its note when it goes on to
+// its next collective there: a rank that skipped the refused call is not taken for one
+// that refused the next).
+struct RefusalSeen {
+  static constexpr int64_t kSettleNs = 1000000000;
+  int peer = -1;
+  int64_t serial = 0, since = 0;
+  bool Settled(int q, const Refusal& n, int64_t now) {
+    if (q != peer || n.serial != serial) {
+      peer = q;
+      serial = n.serial;
+      since = now;
     }
-    return false;
-  };
-  if (any([](const Entry& a, const Entry& b) {
-        return std::strncmp(a.op, b.op, sizeof(a.op)) != 0 || (a.flags & kReverse) != (b.flags & kReverse);
-      })) {
-    what.push_back("the collective");
+    return now - since >= kSettleNs;
   }
-  if (any([](const Entry& a, const Entry& b) { return a.kind != b.kind; })) what.push_back("dtype");
-  if (any([](const Entry& a, const Entry& b) {
-        return a.ndim != b.ndim || std::memcmp(a.dims, b.dims, sizeof(a.dims)) != 0;
-      })) {
-    what.push_back("shape");
-  }
-  if (any([](const Entry& a, const Entry& b) { return a.red != b.red; })) what.push_back("'op'");
-  if (any([](const Entry& a, const Entry& b) { return a.root != b.root; })) what.push_back("'root'");
-  std::string s;
-  for (size_t i = 0; i < what.size(); ++i) {
-    s += (i == 0 ? "" : i + 1 == what.size() ? " and " : ", ") + what[i];
-  }
-  return s;
-}
+};
+
+// The error of a rank whose peer q refused the collective it waits in.
+std::string RefusedError(int q, const Refusal& n, const std::string& where);
 
 }  // namespace vjpmpi

@@ -11,23 +11,18 @@
 // Reverse (the transpose): each slice travels back, from the output-shaped cotangent
 // into the operand-shaped accumulator (added: slices of the operand may overlap), and
 // the cotangent's received rows are zeroed.
-#pragma once
-
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include "vjpmpi_mpi.h"
+#include "ragged.h"
 
 namespace vjpmpi {
 
-// Which public op a ragged call is (the `form` attribute): the names its errors use.
-enum RaggedForm : int { kRagged = 0, kAlltoallv = 1, kAllgatherv = 2, kGatherv = 3, kScatterv = 4 };
-
-inline const char* RaggedName(int form) {
+const char* RaggedName(int form) {
   static const char* names[] = {"ragged_alltoall", "alltoallv", "allgatherv", "gatherv",
                                 "scatterv"};
   return form >= 0 && form <= 4 ? names[form] : "ragged_alltoall";
@@ -63,7 +58,7 @@ struct RaggedPlan {
 };
 
 // The arguments' names in the errors of each form.
-inline std::string RaggedArg(int form, const char* what, int j, int i, int per, int root) {
+std::string RaggedArg(int form, const char* what, int j, int i, int per, int root) {
   std::string who = "rank " + std::to_string(j) + "'s ";
   std::string at = "[" + std::to_string(i) + "]";
   std::string w = what;
@@ -79,7 +74,7 @@ inline std::string RaggedArg(int form, const char* what, int j, int i, int per, 
 // > 1 (a batch folded into one call: slice s of a pair belongs to group s / (per /
 // groups)), the operand and the output are `groups` segments of equal rows, and the
 // offsets count from the start of their group's segment.
-inline std::string PlanRagged(RaggedPlan& p, int root) {
+std::string PlanRagged(RaggedPlan& p, int root) {
   const char* op = RaggedName(p.form);
   auto fail = [&](const std::string& why) {
     return std::string("vjpmpi.") + op + ": " + why + " (every rank of the call stops here)";
@@ -184,7 +179,7 @@ inline std::string PlanRagged(RaggedPlan& p, int root) {
 // The bytes of rows a rank may send to the others inside the gathered parts (the
 // forward exchange's small messages then take no round of their own): the same on
 // every rank of a communicator (MPI_Allgather's parts have one size).
-inline size_t InlineBytes(int size) { return size > 32 ? 0 : 4096 / static_cast<size_t>(size) / 8 * 8; }
+size_t InlineBytes(int size) { return size > 32 ? 0 : 4096 / static_cast<size_t>(size) / 8 * 8; }
 
 // One ragged call. `in`: the operand (forward) or the output-shaped cotangent (reverse);
 // `out`: the output (forward, holding the template's rows already) or the accumulator
@@ -192,7 +187,7 @@ inline size_t InlineBytes(int size) { return size > 32 ? 0 : 4096 / static_cast<
 // received rows zeroed, holding the cotangent already (it may be `in`); `received`
 // (forward): the rows received per slice, int32 in receiver order (source j's slice s
 // at j * per + s). `mine`: this rank's part, 2 + 4n values as RaggedPlan holds them.
-inline std::string Ragged(const Call& c, int form, int groups, bool reverse, size_t row_bytes,
+std::string Ragged(const Call& c, int form, int groups, bool reverse, size_t row_bytes,
                           const std::vector<int64_t>& mine, int n, const void* in, void* out,
                           void* masked, int32_t* received) {
   RaggedPlan p;

@@ -1,0 +1,235 @@
+// Communicator threads, completion threads and started calls (async.h).
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <thread>
+#include <unordered_map>
+
+#include "async.h"
+
+namespace vjpmpi {
+
+// Whether the calling thread is a communicator's (for the tests: XLA's continuations
+// never run there).
+bool& OnCommThread() {
+  thread_local bool on = false;
+  return on;
+}
+
+// The communicator's thread that the calling thread is (nullptr on any other thread).
+CommThread*& CurrentCommThread() {
+  thread_local CommThread* current = nullptr;
+  return current;
+}
+
+void CommThread::Post(std::function<void()> job) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    jobs_.push_back(std::move(job));
+  }
+  ready_.notify_one();
+}
+
+void CommThread::Stop() {
+  Post([this] { stop_ = true; });
+}
+
+CommThread::CommThread(bool communicator) {
+  std::thread([this, communicator] { Loop(communicator); }).detach();
+}
+
+void CommThread::Loop(bool communicator) {
+  OnCommThread() = communicator;
+  if (communicator) CurrentCommThread() = this;
+  int misses = 0;  // polling rounds since a started call last ended
+  while (!stop_ || !polls_.empty()) {
+    std::function<void()> job;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (polls_.empty()) ready_.wait(lock, [this] { return !jobs_.empty(); });
+      if (!jobs_.empty()) {
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+    }
+    if (job) {
+      job();
+      misses = 0;
+      continue;
+    }
+    // nothing queued: MPI's progress for the started calls. The thread spins for the
+    // first rounds (a message within a node completes in microseconds), then sleeps
+    // between rounds, 1 us doubling up to kMaxNapUs: spinning, it took half of a core
+    // that the program computes on (a halo step on the simulated network: 1.21x its
+    // update's time spinning, 1.04-1.07x sleeping 0.5-2 ms, 1.14x 50 us).
+    size_t before = polls_.size();
+    polls_.erase(std::remove_if(polls_.begin(), polls_.end(),
+                                [](std::function<bool()>& poll) { return poll(); }),
+                 polls_.end());
+    misses = polls_.size() < before ? 0 : misses + 1;
+    if (!polls_.empty() && misses > kSpins) {
+      int shift = std::min(misses - kSpins, 10);
+      std::this_thread::sleep_for(std::chrono::microseconds(std::min(1 << shift, kMaxNapUs)));
+    }
+  }
+  delete this;
+}
+
+
+// One thread per communicator (by vjpmpi's number): programs that run at once on two
+// Python threads, each on its own communicator, do not queue behind each other, as
+// they would not without this thread. Never destroyed: a thread may outlive exit().
+struct CommThreads {
+  std::mutex mutex;
+  std::unordered_map<int64_t, CommThread*> threads;
+};
+CommThreads& TheCommThreads() {
+  static CommThreads* t = new CommThreads();
+  return *t;
+}
+
+void PostOn(int64_t comm, std::function<void()> job) {
+  CommThreads& all = TheCommThreads();
+  CommThread* t;
+  {
+    std::lock_guard<std::mutex> lock(all.mutex);
+    CommThread*& slot = all.threads[comm];
+    if (slot == nullptr) slot = new CommThread();
+    t = slot;
+  }
+  t->Post(std::move(job));
+}
+
+// The communicator was freed: its thread ends (after a job it may still run).
+void StopCommThread(int64_t comm) {
+  CommThreads& all = TheCommThreads();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  auto it = all.threads.find(comm);
+  if (it == all.threads.end()) return;
+  it->second->Stop();
+  all.threads.erase(it);
+}
+
+// Threads that complete the futures of asynchronous calls. Completing a future runs
+// XLA's continuation on the completing thread: the program's next steps, computation
+// included, until the executor runs out of ready work. On the communicator's thread
+// that computation held up the program's next call (a halo loop's second exchange
+// started 20-60 ms after XLA posted it, behind an interior block). A completion takes
+// an idle thread, or a new one when every one is busy: there are never more than the
+// program's completions running at once, and they stay for the next program.
+class Completers {
+ public:
+  void Run(std::function<void()> job) {
+    CommThread* t = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!idle_.empty()) {
+        t = idle_.back();
+        idle_.pop_back();
+      }
+    }
+    if (t == nullptr) t = new CommThread(/*communicator=*/false);
+    t->Post([this, t, job = std::move(job)] {
+      job();
+      std::lock_guard<std::mutex> lock(mutex_);
+      idle_.push_back(t);
+    });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<CommThread*> idle_;
+};
+
+// (never destroyed, as the communicators' threads)
+void Complete(std::function<void()> job) {
+  static Completers* c = new Completers();
+  c->Run(std::move(job));
+}
+
+// The smallest call, in bytes (its larger side, in or out), whose MPI call runs on the
+// communicator's thread; -1: none; kAsyncAuto: kAutoAsyncBytes on a communicator whose
+// processes are on more than one node, none on one within a node. Set from Python
+// (VJPMPI_ASYNC_BYTES at import, vjpmpi.async_threshold), read by each call when it runs.
+std::atomic<int64_t> async_bytes{kAsyncAuto};
+
+// The thread support MPI provides (MPI_THREAD_SINGLE ... MPI_THREAD_MULTIPLE).
+int ThreadLevel() {
+  int provided = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&provided);
+  return provided;
+}
+
+void Started::Finish(std::string e) {
+  std::function<void()> next;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (done) return;
+    done = true;
+    error = std::move(e);
+    next = std::move(then);
+  }
+  if (next) Complete(std::move(next));
+}
+
+struct StartedCalls {
+  std::mutex mutex;
+  std::map<std::tuple<int64_t, int64_t, int64_t>, std::shared_ptr<Started>> calls;
+};
+StartedCalls& TheStartedCalls() {
+  static StartedCalls* s = new StartedCalls();
+  return *s;
+}
+
+// A new started call on (comm, slot, run).
+std::shared_ptr<Started> NewStarted(int64_t comm, int64_t slot, int64_t run) {
+  auto s = std::make_shared<Started>();
+  s->key = {comm, slot, run};
+  StartedCalls& t = TheStartedCalls();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  t.calls[s->key] = s;
+  return s;
+}
+
+// A start that failed: its run stops, and no wait will take its call.
+void ForgetStarted(const Started& s) {
+  StartedCalls& t = TheStartedCalls();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  auto it = t.calls.find(s.key);
+  if (it != t.calls.end() && it->second.get() == &s) t.calls.erase(it);
+}
+
+// A vjpmpi call of run `run` failed: the run stops, and the waits of its calls started
+// so far never come. Their entries go; a call whose messages are still in flight keeps
+// its buffers (its poll holds them) until MPI is done with them. (A run stopped by
+// something other than a vjpmpi call, such as a host callback that raised, leaves its
+// started calls here: they hold their buffers' memory, and nothing else.)
+void ForgetRun(int64_t run) {
+  if (run == 0) return;  // (eager starts: each waited for by a program of its own)
+  StartedCalls& t = TheStartedCalls();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  for (auto it = t.calls.begin(); it != t.calls.end();) {
+    it = std::get<2>(it->first) == run ? t.calls.erase(it) : std::next(it);
+  }
+}
+
+// How many started calls wait for their wait (for the tests).
+int64_t StartedCount() {
+  StartedCalls& t = TheStartedCalls();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  return static_cast<int64_t>(t.calls.size());
+}
+
+std::shared_ptr<Started> TakeStarted(int64_t comm, int64_t slot, int64_t run) {
+  StartedCalls& t = TheStartedCalls();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  auto it = t.calls.find({comm, slot, run});
+  if (it == t.calls.end()) return nullptr;
+  auto s = std::move(it->second);
+  t.calls.erase(it);
+  return s;
+}
+
+// Whether a started call can run on the communicator's thread while XLA's thread makes
+
+}  // namespace vjpmpi

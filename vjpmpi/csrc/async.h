@@ -1,0 +1,149 @@
+// Asynchronous collectives on the host: a thread per communicator runs the MPI calls of
+// the handlers that move at least the threshold (GoesAsync), in the order the
+// handlers post them, while XLA's executor runs whatever in the program does not wait
+// for the message; the handler returns a future that the job completes, on another
+// thread (Completers below).
+//
+// The ordering chain makes each vjpmpi call of a program wait for the previous one to
+// complete, so a program has at most one job queued or running: the thread adds no
+// reordering, and MPI sees the program's calls one at a time. The job hands the
+// future's completion to a completion thread, which runs XLA's continuation (the
+// program's next steps) there, and this thread is free for the program's next call.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "agree.h"
+#include "mpi_ops.h"
+
+namespace vjpmpi {
+
+// Whether the calling thread is a communicator's (for the tests: XLA's continuations
+// never run there).
+bool& OnCommThread();
+
+class CommThread;
+
+// The communicator's thread that the calling thread is (nullptr on any other thread).
+CommThread*& CurrentCommThread();
+
+// One thread running posted jobs in order (a communicator's, or a completion thread).
+// A communicator's thread also polls the messages of started calls (vjpmpi.start)
+// between its jobs, in the order they were posted, until each is done.
+class CommThread {
+ public:
+  void Post(std::function<void()> job);
+
+  // (on this thread) `poll()` until it returns true (its call has ended).
+  void AddPoll(std::function<bool()> poll) { polls_.push_back(std::move(poll)); }
+
+  // The thread ends after the jobs posted so far, and deletes this object.
+  void Stop();
+
+  explicit CommThread(bool communicator = true);
+
+ private:
+  void Loop(bool communicator);
+
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<std::function<void()>> jobs_;
+  std::vector<std::function<bool()>> polls_;  // (on the thread only)
+  static constexpr int kSpins = 200;       // polling rounds before the first sleep
+  static constexpr int kMaxNapUs = 1000;  // the longest sleep between rounds
+  bool stop_ = false;  // (set and read on the thread only)
+};
+
+// `job` on communicator `comm`'s thread (one per communicator, made at its first job).
+void PostOn(int64_t comm, std::function<void()> job);
+// The communicator was freed: its thread ends (after a job it may still run).
+void StopCommThread(int64_t comm);
+// `job` on a completion thread (an idle one, else a new one): completing a future
+// there runs XLA's continuation off the communicator's thread.
+void Complete(std::function<void()> job);
+
+// The smallest call, in bytes (its larger side, in or out), whose MPI call runs on the
+// communicator's thread; -1: none; kAsyncAuto: kAutoAsyncBytes on a communicator whose
+// processes are on more than one node, none on one within a node. Set from Python
+// (VJPMPI_ASYNC_BYTES at import, vjpmpi.async_threshold), read by each call when it runs.
+inline constexpr int64_t kAsyncAuto = -2;
+inline constexpr int64_t kAutoAsyncBytes = 1 << 16;
+extern std::atomic<int64_t> async_bytes;  // (async.cc)
+inline std::atomic<int64_t>& AsyncBytes() { return async_bytes; }
+
+// The thread support MPI provides (MPI_THREAD_SINGLE ... MPI_THREAD_MULTIPLE).
+int ThreadLevel();
+
+
+// Whether a call moving `moved` bytes on `ce` runs on the communicator's thread: it
+// moves data, at least the threshold, and MPI lets another thread make the calls
+// (MPI_THREAD_SERIALIZED or more; where it does not, every call runs on XLA's thread).
+// Within one node nothing overlaps (shared-memory transfers are the CPU's work) and the
+// hand-offs only cost: by default calls go there only on a communicator across nodes.
+// The MPI call is the same blocking call wherever it runs: which thread runs a call
+// that stays on XLA's side depends on timing (the thread that completes its last input
+// runs it), and MPI never matches a blocking collective with a nonblocking one (an
+// earlier version used nonblocking calls on this thread only, and a 4-rank FFT hung
+// with one rank in MPI_Allreduce and another in MPI_Iallreduce); their algorithms
+// differ too (MPICH's MPI_Ireduce_scatter_block sums in another order at 4 ranks).
+//
+// While a started call (vjpmpi.start) has not finished on the communicator's thread,
+// every later call on that communicator goes there too, behind it: MPI then sees the
+// calls in the program's order.
+inline bool GoesAsync(size_t moved, const CommEntry& ce) {
+  if (ce.started.load(std::memory_order_acquire) > 0) return true;
+  int64_t limit = AsyncBytes().load(std::memory_order_relaxed);
+  if (limit == kAsyncAuto) limit = ce.spans_nodes ? kAutoAsyncBytes : -1;
+  if (limit < 0 || moved == 0 || moved < static_cast<size_t>(limit)) return false;
+  return ThreadLevel() >= MPI_THREAD_SERIALIZED;
+}
+
+// ------------------------------------------------------------ started calls --
+// vjpmpi.start / vjpmpi.wait: a point-to-point call split in two custom calls. The
+// start copies the array it sends into a buffer of its own and posts the call to the
+// communicator's thread, which receives into another; the wait copies the array
+// received into XLA's result. XLA's buffers are never touched after the start has
+// returned, so a program that stops between the two (an error) leaves nothing
+// reading or writing them. A call is named by (communicator, slot, run): the slot is
+// the start's, fixed when the program was traced, and its wait carries the same one;
+// the run is XLA's id of the program's execution, so that two runs of one program (two
+// threads) never take each other's calls.
+struct Started {
+  std::tuple<int64_t, int64_t, int64_t> key;  // (comm, slot, run)
+  std::vector<unsigned char> send, recv;
+  std::mutex mutex;
+  bool done = false;
+  bool posted = false;  // its messages are posted, and a poll ends it (on the thread)
+  std::string error;
+  std::function<void()> then;  // the wait's completion, where the wait came first
+
+  // (on the communicator's thread, or in the start where MPI cannot take the call
+  // there; the first end counts)
+  void Finish(std::string e);
+};
+
+// A new started call on (comm, slot, run).
+std::shared_ptr<Started> NewStarted(int64_t comm, int64_t slot, int64_t run);
+// A start that failed: its run stops, and no wait will take its call.
+void ForgetStarted(const Started& s);
+// A vjpmpi call of run `run` failed: the run stops, and its started calls go.
+void ForgetRun(int64_t run);
+// How many started calls wait for their wait (for the tests).
+int64_t StartedCount();
+// The started call (comm, slot, run), taken out (nullptr: none).
+std::shared_ptr<Started> TakeStarted(int64_t comm, int64_t slot, int64_t run);
+
+// Whether a started call can run on the communicator's thread while XLA's thread makes
+// other MPI calls (MPI_THREAD_MULTIPLE); where not, the start makes the whole call.
+inline bool ThreadMultiple() { return ThreadLevel() >= MPI_THREAD_MULTIPLE; }
+
+}  // namespace vjpmpi

@@ -1,0 +1,305 @@
+// The XLA FFI handlers' common path, written once for every backend (module layer:
+// compiled into each backend module, on the core library's API). A backend (a struct,
+// bindings.h) brings a memory policy `Mem`, made for each call, with:
+//   void Prepare(Call&)                       before anything (may switch c.copy)
+//   const void* In(const void* buf, size_t)   a pointer MPI may read
+//   void* Out(void* buf, size_t)              a pointer MPI may write (aliases kept)
+//   std::string Begin()                       inputs ready (e.g. stream synchronised)
+//   std::string End()                         outputs in place (e.g. copied back)
+//   std::string Copy(void*, const void*, size_t)  a local copy (hold)
+// Per call: Run (communicator, busy flag, asynchronous or not), then Tail (guard,
+// agreement, staging, the MPI call: mpi_ops.h / p2p.h). handler_ops.h builds each op's
+// handler on these, bindings.h binds them to XLA.
+#pragma once
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "agree.h"
+#include "async.h"
+#include "mpi_ops.h"
+#include "p2p.h"
+#include "runtime.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace vjpmpi {
+
+namespace ffi = xla::ffi;
+
+inline Kind KindOf(ffi::DataType t) {
+  switch (t) {
+#define VJPMPI_X(e, name, xla, mpi, bytes) \
+  case ffi::DataType::xla:                 \
+    return Kind::e;
+    VJPMPI_KINDS(VJPMPI_X)
+#undef VJPMPI_X
+    default: return Kind::kUnsupported;
+  }
+}
+
+using Impl = std::string (*)(const Call&, const void*, void*);
+
+// How the element count of one MPI block follows from the buffers.
+enum class Count { kIn, kOut, kInPerRank };
+
+struct Attrs {
+  int64_t comm, red, root, peer, peer2, tag, tag2, status, reverse, site, sig, invalid;
+  int64_t run;  // the XLA run id of this execution (not an attribute)
+};
+
+inline Call MakeCall(const char* name, const Attrs& a, int uses) {
+  Call c{};
+  c.op = name;
+  c.comm = MPI_COMM_NULL;  // (resolved from the program's communicator number by Run)
+  c.red = static_cast<Red>(a.red);
+  c.root = static_cast<int>(a.root);
+  c.peer = static_cast<int>(a.peer);
+  c.peer2 = static_cast<int>(a.peer2);
+  c.tag = static_cast<int>(a.tag);
+  c.tag2 = static_cast<int>(a.tag2);
+  c.status = nullptr;  // (a slot's status: Run)
+  c.reverse = a.reverse != 0;
+  c.uses = uses;
+  return c;
+}
+
+inline void SetDims(const ffi::AnyBuffer::Dimensions& d, size_t skip, const int64_t** dims, int* ndim) {
+  *dims = d.size() > skip ? d.begin() + skip : nullptr;
+  *ndim = d.size() > skip ? static_cast<int>(d.size() - skip) : 0;
+}
+
+inline std::string Unsupported(const char* name) {
+  return std::string("vjpmpi.") + name + ": unsupported dtype";
+}
+
+inline void FillStatus(Runtime& rt, int64_t slot, const MPI_Status& st) {
+  std::lock_guard<std::mutex> lock(rt.status_mutex);
+  auto it = rt.statuses.find(slot);
+  if (it != rt.statuses.end()) *it->second = st;  // (a dead MPI.Status has no slot)
+}
+
+// What a handler returns: an error, or (where calls may run asynchronously) a future.
+template <bool Async>
+using Result = std::conditional_t<Async, ffi::Future, ffi::Error>;
+
+// The run a started call belongs to, in its key: XLA's run id; 0 for a call started by a
+// program of its own (an eager vjpmpi.start: its slot is negative) and waited for by another.
+inline int64_t StartedRun(int64_t slot, int64_t run) { return slot < 0 ? 0 : run; }
+
+// A started call's copy of the array it sends (taken in the start: XLA may reuse x's
+// buffer once the start has returned).
+inline const void* Keep(std::vector<unsigned char>& own, ffi::AnyBuffer x) {
+  own.resize(x.size_bytes());
+  if (!own.empty()) HostCopy(own.data(), x.untyped_data(), own.size());
+  return own.data();
+}
+
+// A started call's buffer for the array it receives; holding the template where nothing
+// will arrive (from MPI_PROC_NULL, which keeps it).
+inline void* Receive(std::vector<unsigned char>& own, ffi::AnyBuffer tmpl, bool keep) {
+  own.resize(tmpl.size_bytes());
+  if (keep && !own.empty()) HostCopy(own.data(), tmpl.untyped_data(), own.size());
+  return own.data();
+}
+
+template <bool Async>
+Result<Async> Finish(const std::string& e) {
+  ffi::Error error = e.empty() ? ffi::Error::Success() : ffi::Error::Internal(e);
+  if constexpr (Async) {
+    ffi::Promise promise;
+    ffi::Future future(promise);
+    if (e.empty()) {
+      promise.SetAvailable();
+    } else {
+      promise.SetError(std::move(error));
+    }
+    return future;
+  } else {
+    return error;
+  }
+}
+
+// The part of a call that moves data, after Run has found its communicator: the guard
+// (trace, counters, watchdog entry), the ranks' agreement on a collective
+// (agree.h) or the opt-in point-to-point check, the memory policy's staging
+// before and after, `body(mem, c)` (the MPI call) and the receive status of a status slot.
+// The ranks' agreement on a collective (agree.h), on the calling thread (its
+// reads of the other ranks' windows stay on the thread that runs the program; the
+// guard, where there is one, does not count its wait).
+inline std::string AgreeStep(Runtime& rt, Call& c, const Attrs& a, CommEntry* ce, Guard* guard) {
+  c.site = a.site;
+  c.site_text = &SiteOf;
+  std::string invalid = a.invalid ? SiteText(rt, a.invalid) : std::string();
+  if (a.invalid && invalid.empty()) invalid = "an argument error (its text is not known here)";
+  if (guard) guard->Pause();
+  std::string e = EnsureChannel(rt, *ce, c);
+  if (e.empty()) e = Agree(rt, *ce, c, static_cast<uint64_t>(a.sig), a.run, invalid);
+  if (guard) guard->Resume(ce->count);
+  return e;
+}
+
+inline bool Agreeing(Runtime& rt, bool collective) {
+  return collective && rt.agreement.load(std::memory_order_relaxed);
+}
+
+// (`agreed`: the agreement ran before, on the thread that posted this call, as the
+// collective's number `k` there)
+template <typename Mem, typename Body>
+std::string Tail(Runtime& rt, Mem& mem, Call& c, const Attrs& a, CommEntry* ce, bool collective,
+                 Body& body, bool agreed = false, int64_t k = 0) {
+  std::string e;
+  mem.Prepare(c);
+  Guard guard(rt, c.op, a.site, c.comm, ce, PeerOf(c, collective), k);
+  c.site = a.site;
+  c.site_text = &SiteOf;
+  MPI_Status status{};
+  if (a.status) c.status = &status;
+  if (Agreeing(rt, collective)) {
+    if (!agreed) e = AgreeStep(rt, c, a, ce, &guard);
+  } else {
+    c.check_p2p = rt.check_enabled.load(std::memory_order_relaxed);
+    if (a.invalid) {  // (its peers wait in point-to-point calls with it: they cannot be told)
+      std::string why = SiteText(rt, a.invalid);
+      if (why.empty()) why = std::string("vjpmpi.") + c.op + ": an argument error (its text is not known here)";
+      if (!collective && ce->size > 1) {
+        guard.Pause();
+        AbortWith(why, " (the ranks it exchanges messages with cannot be told)");
+      }
+      e = why;
+    }
+  }
+  if (e.empty()) e = body(mem, c);
+  std::string end = mem.End();
+  if (e.empty()) e = end;
+  if (a.status) FillStatus(rt, a.status, status);
+  return e;
+}
+
+// Everything a handler does around its MPI call: the communicator the program names
+// (alive, and for a collective this thread's), `prepare` (what needs the communicator,
+// such as its size), then Tail. `body` copies what it uses (raw pointers, not XLA's
+// buffer objects): where calls may run asynchronously (Async, host memory), a call that
+// moves at least the threshold (its larger side, in or out: `moved`; GoesAsync) returns
+// at once and Tail runs on the communicator's thread (async.h), which completes
+// the future.
+//
+// `started` (a point-to-point call that vjpmpi.start began, between buffers of its own):
+// Tail runs on the communicator's thread whatever the threshold, the handler returns at
+// once, and the call's end goes to `started` (for its wait) instead of a future.
+template <bool Async, typename Mem, typename Prepare, typename Body>
+Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t moved,
+                  Prepare prepare, Body body, std::shared_ptr<Started> started = nullptr) {
+  Runtime* rt = &runtime;  // (the core library's one runtime)
+  CommEntry* ce = nullptr;
+  std::string e = CheckAlive(c.op);
+  if (e.empty()) e = Resolve(*rt, c, a.comm, collective, &ce);
+  bool busy = false;  // (one collective at a time on a communicator, in this process)
+  if (e.empty() && collective) {
+    if (ce->busy.exchange(true, std::memory_order_acquire)) {
+      e = std::string("vjpmpi.") + c.op + ": " + BusyError(ce->id, ce->size);
+    } else {
+      busy = true;
+    }
+  }
+  if (e.empty()) e = prepare();
+  if constexpr (Async) {  // (started calls exist where calls may run asynchronously)
+  if (e.empty() && started) {
+    if (ThreadMultiple()) {
+      ce->started.fetch_add(1, std::memory_order_acq_rel);
+      rt->async_calls.fetch_add(1, std::memory_order_relaxed);
+      std::vector<int64_t> dims(c.dims, c.dims + c.ndim), dims2(c.dims2, c.dims2 + c.ndim2);
+      PostOn(ce->id, [rt, mem, c, a, ce, collective, body, started, dims = std::move(dims),
+                      dims2 = std::move(dims2)]() mutable {
+        c.dims = dims.data();
+        c.dims2 = dims2.data();
+        std::string e = Tail(*rt, mem, c, a, ce, collective, body);
+        ce->started.fetch_sub(1, std::memory_order_acq_rel);
+        if (!e.empty()) ForgetRun(a.run);
+        if (!started->posted || !e.empty()) started->Finish(std::move(e));
+      });
+    } else {
+      started->Finish(Tail(*rt, mem, c, a, ce, collective, body));
+    }
+    return Finish<Async>(std::string());
+  }
+  }
+  if (e.empty()) {
+    if constexpr (Async) {
+      const bool go = GoesAsync(moved, *ce);
+      // (the agreement here, on the calling thread, before the post: on the
+      // communicator's thread a later program's first collective once waited for ever
+      // in MPICH, probably the blocking/nonblocking mismatch of async.h's
+      // GoesAsync, which that version had; not tried again since)
+      if (go && Agreeing(*rt, collective)) e = AgreeStep(*rt, c, a, ce, nullptr);
+      const int64_t k = go && collective ? ce->count : 0;
+      if (go && e.empty()) {
+        rt->async_calls.fetch_add(1, std::memory_order_relaxed);
+        ffi::Promise promise;
+        ffi::Future future(promise);
+        // (the dimensions live in XLA's call frame, which ends when this returns)
+        std::vector<int64_t> dims(c.dims, c.dims + c.ndim), dims2(c.dims2, c.dims2 + c.ndim2);
+        PostOn(ce->id, [rt, mem, c, a, ce, collective, busy, body, promise, k,
+                        dims = std::move(dims), dims2 = std::move(dims2)]() mutable {
+          c.dims = dims.data();
+          c.dims2 = dims2.data();
+          std::string e = Tail(*rt, mem, c, a, ce, collective, body, true, k);
+          if (busy) ce->busy.store(false, std::memory_order_release);
+          if (!e.empty()) ForgetRun(a.run);
+          Complete([promise, e = std::move(e)]() mutable {
+            if (e.empty()) {
+              promise.SetAvailable();
+            } else {
+              promise.SetError(ffi::Error::Internal(e));
+            }
+          });
+        });
+        return future;
+      }
+    }
+    if (e.empty()) e = Tail(*rt, mem, c, a, ce, collective, body);
+  }
+  if (busy) ce->busy.store(false, std::memory_order_release);
+  if (started) {  // a start that failed: its wait never comes
+    started->Finish(e);
+    ForgetStarted(*started);
+  }
+  if (!e.empty()) ForgetRun(a.run);
+  return Finish<Async>(e);
+}
+
+inline std::string Ok() { return {}; }
+
+// The MPI calls of a started call (vjpmpi.start), on the communicator's thread: its
+// messages posted (Post), then polled there between the thread's jobs until they are
+// done, which ends `started`. Where there is no such thread (MPI below
+// MPI_THREAD_MULTIPLE: the start makes the whole call), `blocking()`.
+template <typename Blocking>
+std::string PostStarted(const Call& c, const void* send, void* recv,
+                        const std::shared_ptr<Started>& started, Blocking blocking) {
+  CommThread* thread = CurrentCommThread();
+  if (thread == nullptr) return blocking();
+  auto posted = std::make_shared<Posted>();
+  std::string e = Post(c, send, recv, posted.get());
+  if (!e.empty()) return e;
+  started->posted = true;
+  Runtime* rt = &runtime;
+  std::vector<int64_t> dims(c.dims, c.dims + c.ndim), dims2(c.dims2, c.dims2 + c.ndim2);
+  uint64_t watch = WatchCall(*rt, c.op, c.site, c.comm);  // (until its messages are done)
+  thread->AddPoll([c = Call(c), posted, started, rt, watch, dims = std::move(dims),
+                   dims2 = std::move(dims2)]() mutable {
+    c.dims = dims.data();
+    c.dims2 = dims2.data();
+    bool done = false;
+    std::string e = TestPosted(c, posted.get(), &done);
+    if (!done) return false;
+    Unwatch(*rt, watch);
+    started->Finish(std::move(e));
+    return true;
+  });
+  return {};
+}
+
+}  // namespace vjpmpi
