@@ -113,7 +113,7 @@ def test_cuda_module_shares_the_cpu_runtime():
         "from vjpmpi import _kernels\n"
         "assert _kernels.cuda is not None, 'CUDA backend not built'\n"
         "cpu, cuda = _kernels.cpu, _kernels.cuda\n"
-        "assert cuda._runtime_address() == cpu._runtime_address()\n"
+        "assert cuda.runtime_address() == cpu.runtime_address()\n"
         "site = _kernels.register_site('probe at <string>:1')\n"
         "assert cuda._site_for_test(site) == cpu._site_for_test(site) == 'probe at <string>:1'\n"
         "vjpmpi.take_trace()\n"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import shutil
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "vjpmpi"
@@ -119,6 +120,51 @@ def private_attributes(root: pathlib.Path = PACKAGE) -> list[str]:
     return out
 
 
+# ------------------------------------------------------------- the C++ --
+CSRC = PACKAGE / "csrc"
+CMAKE = PACKAGE.parent / "CMakeLists.txt"
+
+
+def oversized_headers(csrc: pathlib.Path = CSRC) -> list[str]:
+    """The C++ headers of more than MAX_LINES lines."""
+    return [f"{p.name}: {n} lines" for p in sorted(csrc.glob("*.h"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+
+
+def core_sources(cmake: pathlib.Path = CMAKE) -> list[str]:
+    """The files of the core library, as CMakeLists.txt builds it."""
+    m = re.search(r"add_library\(vjpmpi_core SHARED([^)]*)\)", cmake.read_text())
+    assert m, "CMakeLists.txt builds no vjpmpi_core library"
+    return [pathlib.Path(f).name for f in m.group(1).split()]
+
+
+def core_reaches_python(csrc: pathlib.Path = CSRC, cmake: pathlib.Path = CMAKE) -> list[str]:
+    """Includes of Python, nanobind or XLA in the core library's sources and the headers
+    they include (the core is linked by every module: it holds no Python and no XLA)."""
+    seen, todo, out = set(), list(core_sources(cmake)), []
+    while todo:
+        name = todo.pop()
+        if name in seen or not (csrc / name).exists():
+            continue
+        seen.add(name)
+        for i, line in enumerate((csrc / name).read_text().splitlines(), 1):
+            inc = re.match(r'\s*#\s*include\s*[<"]([^>"]+)[>"]', line)
+            if not inc:
+                continue
+            if re.match(r"(Python\.h|nanobind/|xla/)", inc.group(1)):
+                out.append(f"{name}:{i}: {inc.group(1)}")
+            todo.append(pathlib.Path(inc.group(1)).name)
+    return sorted(out)
+
+
+def handoffs(csrc: pathlib.Path = CSRC) -> list[str]:
+    """A runtime handed from one module to another through Python (a capsule), instead of
+    the core library both link."""
+    pattern = re.compile(r"PyCapsule_GetPointer|PyCapsule_Import|attach_runtime|runtime_capsule")
+    return [f"{p.name}:{i}" for p in sorted([*csrc.glob("*.h"), *csrc.glob("*.cc")])
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+
+
 def test_no_module_is_over_the_line_limit():
     assert oversized() == []
 
@@ -159,3 +205,31 @@ def test_the_checks_see_planted_violations(tmp_path):
     assert [v.split(": ", 1)[1] for v in private_imports(root)] == [
         "from .._p2p import _refuse_any_source", "from vjpmpi._bind import _claim"]
     assert [v.split(": ", 1)[1] for v in private_attributes(root)] == ["_bind._EAGER"]
+
+
+def test_no_cpp_header_is_over_the_line_limit():
+    assert oversized_headers() == []
+
+
+def test_the_core_library_holds_no_python_and_no_xla():
+    assert "runtime.cc" in core_sources() and "agree.cc" in core_sources()
+    assert core_reaches_python() == []
+
+
+def test_no_runtime_is_handed_between_the_modules():
+    assert handoffs() == []
+
+
+def test_the_cpp_checks_see_planted_violations(tmp_path):
+    csrc = tmp_path / "csrc"
+    shutil.copytree(CSRC, csrc)
+    cmake = tmp_path / "CMakeLists.txt"
+    shutil.copy(CMAKE, cmake)
+    (csrc / "big.h").write_text("#pragma once\n" + "// x\n" * MAX_LINES)
+    with open(csrc / "agree.h", "a") as f:  # (included by the core's agree.cc)
+        f.write('#include <Python.h>\n')
+    with open(csrc / "cpu_module.cc", "a") as f:
+        f.write('// cuda.attach_runtime(cpu.runtime_capsule())\n')
+    assert oversized_headers(csrc) == [f"big.h: {MAX_LINES + 1} lines"]
+    assert [v.split(": ", 1)[1] for v in core_reaches_python(csrc, cmake)] == ["Python.h"]
+    assert [v.split(":")[0] for v in handoffs(csrc)] == ["cpu_module.cc"]

@@ -82,7 +82,7 @@ if cuda is not None:
     # One runtime for every backend: both modules link the core library
     # (libvjpmpi_core.so, next to them), where the call sites, settings, counters, trace
     # and watchdog live (csrc/runtime.h); a module from another build would not share it.
-    if cuda._runtime_address() != cpu._runtime_address():
+    if cuda.runtime_address() != cpu.runtime_address():
         raise ImportError(
             f"vjpmpi's CUDA kernels ({cuda.__file__}) and CPU kernels ({cpu.__file__}) do "
             "not share one runtime (they load different copies of libvjpmpi_core.so). "

@@ -17,6 +17,9 @@ from ._mpi import ANY_TAG, RED_NAMES
 from ._ordering import unchained
 from ._primitive import FFI_ATTRS, ORDERED, Collective
 
+# Every call's attributes, in the order of the kernels' `call` array (csrc/bindings.h).
+CALL_ATTRS = ("comm", *FFI_ATTRS, "site", "sig", "invalid")
+
 _PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parent)
 _LIBRARY_DIRS = tuple(str(pathlib.Path(m.__file__).resolve().parent)
                       for m in (jax, np)) + (_PACKAGE_DIR, "<frozen")
@@ -120,16 +123,20 @@ def ffi_attrs(ctx, spec: Collective, params) -> dict:
             f"#{params['comm'].id}): in the process that loads it, that number could be "
             "another communicator's. Export programs on the default communicator, "
             "MPI.COMM_WORLD or MPI.COMM_SELF (#1-#3 in every process).")
-    attrs = dict.fromkeys(FFI_ATTRS, np.int64(0))
-    attrs.update({attr: _int64(params[k]) for k, attr in spec.params.items()})
-    attrs.update({attr: np.int64(v) for attr, v in spec.fixed.items()})
-    attrs["comm"] = np.int64(params["comm"].id)
+    attrs = dict.fromkeys(CALL_ATTRS, 0)
+    attrs.update({attr: int(_int64(params[k])) for k, attr in spec.params.items()})
+    attrs.update({attr: int(v) for attr, v in spec.fixed.items()})
+    attrs["comm"] = params["comm"].id
     # (what the watchdog's warnings, VJPMPI_CHECK and VJPMPI_TIMEOUT name; a note describes
     # the call instead)
-    attrs["site"] = np.int64(params.get("note", 0) or _site(ctx, spec, params))
-    attrs["sig"] = np.int64(params.get("sig", 0))
-    attrs["invalid"] = np.int64(params.get("invalid", 0))
-    return attrs
+    attrs["site"] = params.get("note", 0) or _site(ctx, spec, params)
+    attrs["sig"] = params.get("sig", 0)
+    attrs["invalid"] = params.get("invalid", 0)
+    # The kernels read these by position from one int64 array, `call` (one attribute for
+    # XLA to decode per call instead of twelve: csrc/bindings.h, AttrsOf); an op's own
+    # attributes (the ragged exchange's `form` and `groups`) travel by name.
+    extra = {k: np.int64(v) for k, v in attrs.items() if k not in CALL_ATTRS}
+    return {"call": np.array([attrs[k] for k in CALL_ATTRS], np.int64), **extra}
 
 
 def _chain_start(ctx, spec: Collective):

@@ -142,7 +142,7 @@ def as_comm(comm: Any, op: str) -> CommRef:
 
 
 # Reduction codes: a reduction's code is its position in the compiled kernels'
-# table (`VJPMPI_REDUCTIONS` in csrc/vjpmpi_mpi.h, the one source), each name
+# table (`VJPMPI_REDUCTIONS` in csrc/mpi_ops.h, the one source), each name
 # that of its mpi4py op.
 RED_NAMES: tuple[str, ...] = _kernels.REDUCTIONS
 ANY_TAG: int = MPI.ANY_TAG  # (a receive's tag that matches any, as call sites show it)
@@ -191,7 +191,7 @@ def _numpy_dtype(name: str) -> np.dtype:
         return np.dtype(getattr(ml_dtypes, name))
 
 
-# The dtypes the kernels support (`VJPMPI_KINDS` in csrc/vjpmpi_mpi.h).
+# The dtypes the kernels support (`VJPMPI_KINDS` in csrc/mpi_ops.h).
 _DTYPES = frozenset(_numpy_dtype(n) for n in _kernels.DTYPES)
 
 

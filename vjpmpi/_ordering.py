@@ -108,7 +108,7 @@ def unchained_jaxpr(jaxpr: jc.Jaxpr, where) -> NotImplementedError:
 # A program's signature on a communicator: a hash of the structure of its collectives
 # there (each one's op, parameters, dtype and per-rank block, and the loops and branches
 # around them). The kernels compare the ranks' collectives when a rank runs a program
-# whose signature it has not yet seen verified (csrc/vjpmpi_agree.h); ranks that run the
+# whose signature it has not yet seen verified (csrc/agree.h); ranks that run the
 # same collectives have the same signature, whatever else their programs compute.
 STRUCTURES: "weakref.WeakKeyDictionary[jc.Jaxpr, dict]" = weakref.WeakKeyDictionary()
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 from . import _jax_compat as jc
 
-# The attributes every FFI handler takes (csrc/vjpmpi_handlers.h), besides `comm`
+# The attributes every FFI handler takes (csrc/bindings.h), besides `comm`
 # (vjpmpi's number for the communicator), `site` (the call-site hash), `sig` (the
 # program's signature on the communicator) and `invalid` (an argument error found at
 # trace time, raised at run time on every rank). A primitive carries only the

@@ -1,7 +1,7 @@
 """Variable-size exchanges: `ragged_alltoall` (JAX's ragged all-to-all over a communicator)
 and the mpi4py-style v-collectives with run-time counts in a static capacity.
 
-One primitive pair carries all of them (kernel `vjpmpi_ragged_alltoall`, csrc/vjpmpi_ragged.h):
+One primitive pair carries all of them (kernel `vjpmpi_ragged_alltoall`, csrc/ragged.h):
 the forward exchange, linear in `(operand, output)`, and its transpose, the reverse
 exchange. Offsets and sizes are int32 operands known only at run time; every rank's are
 gathered to every rank inside the call, so a bad count is the same error everywhere.

@@ -2,7 +2,7 @@
 program computes between them runs while the message travels.
 
 The start is one custom call on the ordering chain that hands the call to the
-communicator's thread (csrc/vjpmpi_async.h, `Started`), which posts its messages
+communicator's thread (csrc/async.h, `Started`), which posts its messages
 (nonblocking) and polls them, and returns at once; the wait is another, later on the
 chain, that completes when they are done. In a jaxpr the pair is two
 primitives around a *state*, the call's operands passed through:

@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 import vjpmpi
 from vjpmpi import _kernels, _mpi
+from vjpmpi._lowering import CALL_ATTRS
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.rank, WORLD.size
@@ -116,7 +117,8 @@ def test_checks_are_off_unless_asked_for():
     assert _kernels.WARN_AFTER == 60.0 == _kernels.WARN_AFTER_DEFAULT
     text = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM)).lower(jnp.ones(3)).as_text()
     assert text.count("stablehlo.custom_call") == 1
-    site = int(re.search(r"site = (-?\d+)", text).group(1))
+    call = re.search(r"call = dense<\[([-\d, ]+)\]>", text).group(1).split(",")
+    site = int(call[CALL_ATTRS.index("site")])
     assert re.fullmatch(r"allreduce\(SUM\) on float\d\d\[3\] at \S+test_reliability.py:\d+ "
                         r"\(\S+<lambda>\)", _kernels.cpu._site_for_test(site))
 

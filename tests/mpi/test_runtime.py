@@ -32,7 +32,7 @@ needs_cuda_module = pytest.mark.skipif(
 @needs_cuda_module
 def test_cuda_module_shares_the_cpu_runtime():
     cpu, cuda = _kernels.cpu, _kernels.cuda
-    assert cuda._runtime_address() == cpu._runtime_address() != 0
+    assert cuda.runtime_address() == cpu.runtime_address() != 0
     # a site registered once: the same id and text in both modules' handlers
     text = f"probe(rank={rank}) at test_runtime.py"
     site = _kernels.register_site(text)
@@ -65,7 +65,7 @@ def test_both_modules_link_one_core_library():
     loaded = {line.split()[-1] for line in maps if line.endswith("/libvjpmpi_core.so")}
     assert loaded == {str(core.resolve())}, loaded  # one copy, the one next to the modules
     symbol = ctypes.c_char.in_dll(ctypes.CDLL(str(core)), "_ZN6vjpmpi7runtimeE")
-    assert cpu._runtime_address() == cuda._runtime_address() == ctypes.addressof(symbol)
+    assert cpu.runtime_address() == cuda.runtime_address() == ctypes.addressof(symbol)
     tracing = _kernels.trace_enabled()
     calls, overlaps = cpu.call_counts()
     cuda._guard_for_test("cuda_probe", 0)

@@ -76,13 +76,16 @@ void Fingerprint(const Call& c, Entry& e) {
 
 uint64_t FingerprintHash(const Entry& e) {
   uint64_t h = 0;
-  for (char ch : e.op) h = Mix(h, static_cast<unsigned char>(ch));
+  uint64_t op[sizeof(e.op) / 8];  // (the name, zero-filled, as words: one Mix each)
+  std::memcpy(op, e.op, sizeof(op));
+  for (uint64_t w : op) h = Mix(h, w);
   h = Mix(h, e.kind);
   h = Mix(h, e.red);
   h = Mix(h, static_cast<uint32_t>(e.root));
   h = Mix(h, e.flags & (kReverse | kUsesRed | kUsesRoot));
   h = Mix(h, e.ndim);
-  for (int i = 0; i < kMaxDims; ++i) h = Mix(h, static_cast<uint64_t>(e.dims[i]));
+  const int used = e.ndim < kMaxDims ? e.ndim : kMaxDims;  // (ndim is in the hash)
+  for (int i = 0; i < used; ++i) h = Mix(h, static_cast<uint64_t>(e.dims[i]));
   return h;
 }
 

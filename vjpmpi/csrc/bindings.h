@@ -51,30 +51,41 @@ auto Bind() {
   return ffi::Ffi::Bind().template Ctx<typename B::Ctx>().template Ctx<ffi::RunId>();
 }
 
-// The attributes every handler takes (Python: vjpmpi/_collective.py), as parameters, as
-// an Attrs, and bound.
-#define VJPMPI_ATTR_PARAMS                                                                   \
-  int64_t comm, int64_t red, int64_t root, int64_t peer, int64_t peer2, int64_t tag,        \
-      int64_t tag2, int64_t status, int64_t reverse, int64_t site, int64_t sig,             \
-      int64_t invalid
-#define VJPMPI_ATTRS_OF                                                                       \
-  Attrs{comm, red, root, peer, peer2, tag, tag2, status, reverse, site, sig, invalid, run.run_id}
+// The attributes every handler takes, packed in one int64 array attribute `call` (XLA
+// checks one attribute's name and type per call instead of twelve), in the order of
+// Python's CALL_ATTRS (vjpmpi/_lowering.py):
+//   comm     vjpmpi's number of the communicator
+//   red      reduction code, see Red
+//   root     root rank
+//   peer     destination rank
+//   peer2    source rank
+//   tag      send tag
+//   tag2     receive tag
+//   status   status slot to fill (a live MPI.Status), or 0
+//   reverse  scans: 1 = from the last rank down
+//   site     call-site hash (check/timeout), or 0
+//   sig      the program's signature on the communicator
+//   invalid  hash of an argument error found at trace time
+// A `call` of another length (a program lowered by another vjpmpi) gets comm -1, which
+// Run refuses with a message.
+inline constexpr size_t kCallAttrs = 12;
+inline Attrs AttrsOf(ffi::Span<const int64_t> v, int64_t run) {
+  if (v.size() != kCallAttrs) {
+    Attrs a{};
+    a.comm = -1;
+    a.run = run;
+    return a;
+  }
+  return Attrs{v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11], run};
+}
+inline int64_t CommOf(ffi::Span<const int64_t> v) { return v.size() == kCallAttrs ? v[0] : -1; }
+
+#define VJPMPI_ATTR_PARAMS ffi::Span<const int64_t> call
+#define VJPMPI_ATTRS_OF AttrsOf(call, run.run_id)
 
 template <typename Binding>
 auto WithAttrs(Binding b) {
-  return std::move(b)
-      .template Attr<int64_t>("comm")       // vjpmpi's number of the communicator
-      .template Attr<int64_t>("red")        // reduction code, see Red
-      .template Attr<int64_t>("root")       // root rank
-      .template Attr<int64_t>("peer")       // destination rank
-      .template Attr<int64_t>("peer2")      // source rank
-      .template Attr<int64_t>("tag")        // send tag
-      .template Attr<int64_t>("tag2")       // receive tag
-      .template Attr<int64_t>("status")     // status slot to fill (a live MPI.Status), or 0
-      .template Attr<int64_t>("reverse")    // scans: 1 = from the last rank down
-      .template Attr<int64_t>("site")       // call-site hash (check/timeout), or 0
-      .template Attr<int64_t>("sig")        // the program's signature on the communicator
-      .template Attr<int64_t>("invalid");   // hash of an argument error found at trace time
+  return std::move(b).template Attr<ffi::Span<const int64_t>>("call");
 }
 
 // XLA's entry point for handler `Impl` with the binding `MakeBinding()` makes (what
@@ -226,13 +237,13 @@ template <typename B>
 Res<B> SendStartImpl(CtxOf<B> ctx, ffi::RunId run, ffi::AnyBuffer x, ffi::Token,
                      ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS, int64_t slot) {
   return SendH<B::kAsync>(B::MakeMem(ctx), x, VJPMPI_ATTRS_OF,
-                          NewStarted(comm, slot, StartedRun(slot, run.run_id)));
+                          NewStarted(CommOf(call), slot, StartedRun(slot, run.run_id)));
 }
 template <typename B>
 Res<B> RecvStartImpl(CtxOf<B> ctx, ffi::RunId run, ffi::AnyBuffer x, ffi::Token,
                      ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS, int64_t slot) {
   return RecvH<B::kAsync>(B::MakeMem(ctx), x, nullptr, VJPMPI_ATTRS_OF,
-                          NewStarted(comm, slot, StartedRun(slot, run.run_id)));
+                          NewStarted(CommOf(call), slot, StartedRun(slot, run.run_id)));
 }
 template <typename B>
 auto StartBinding() {  // (x, token) -> token
@@ -243,7 +254,7 @@ Res<B> SendrecvStartImpl(CtxOf<B> ctx, ffi::RunId run, ffi::AnyBuffer x, ffi::An
                          ffi::Token, ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS,
                          int64_t slot) {
   return SendrecvH<B::kAsync>(B::MakeMem(ctx), x, tmpl, nullptr, VJPMPI_ATTRS_OF,
-                              NewStarted(comm, slot, StartedRun(slot, run.run_id)));
+                              NewStarted(CommOf(call), slot, StartedRun(slot, run.run_id)));
 }
 template <typename B>
 auto SendrecvStartBinding() {  // (x, template, token) -> token

@@ -14,8 +14,10 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
+#include <variant>
 #include <vector>
 
 #include "agree.h"
@@ -24,6 +26,32 @@
 #include "p2p.h"
 #include "runtime.h"
 #include "xla/ffi/api/ffi.h"
+
+namespace vjpmpi {
+// What a handler that may run its call asynchronously returns: the call's end where it
+// ended on the calling thread (an error, or none), else the future its thread completes.
+// XLA gets an XLA_FFI_Error* in the first case (no future for it to create, wait on and
+// free: most calls are small and end where they start), an XLA_FFI_Future* in the second.
+struct Outcome {
+  std::string error;                  // (a call that ended here)
+  std::optional<xla::ffi::Future> future;  // (a call that goes on elsewhere)
+};
+}  // namespace vjpmpi
+
+// An Outcome as XLA takes it (the encoding XLA's FFI documents for handlers that can
+// return either an error or a future).
+template <xla::ffi::ExecutionStage stage>
+struct xla::ffi::ResultEncoding<stage, vjpmpi::Outcome> {
+  static std::variant<XLA_FFI_Error*, XLA_FFI_Future*> Encode(const XLA_FFI_Api* api,
+                                                               XLA_FFI_ExecutionContext* ctx,
+                                                               vjpmpi::Outcome outcome) {
+    if (outcome.future) {
+      return ResultEncoding<stage, Future>::Encode(api, ctx, std::move(*outcome.future));
+    }
+    if (outcome.error.empty()) return static_cast<XLA_FFI_Error*>(nullptr);
+    return internal::CreateError(api, Error::Internal(std::move(outcome.error)));
+  }
+};
 
 namespace vjpmpi {
 
@@ -81,9 +109,9 @@ inline void FillStatus(Runtime& rt, int64_t slot, const MPI_Status& st) {
   if (it != rt.statuses.end()) *it->second = st;  // (a dead MPI.Status has no slot)
 }
 
-// What a handler returns: an error, or (where calls may run asynchronously) a future.
+// What a handler returns: an error, or (where calls may run asynchronously) an Outcome.
 template <bool Async>
-using Result = std::conditional_t<Async, ffi::Future, ffi::Error>;
+using Result = std::conditional_t<Async, Outcome, ffi::Error>;
 
 // The run a started call belongs to, in its key: XLA's run id; 0 for a call started by a
 // program of its own (an eager vjpmpi.start: its slot is negative) and waited for by another.
@@ -106,19 +134,11 @@ inline void* Receive(std::vector<unsigned char>& own, ffi::AnyBuffer tmpl, bool 
 }
 
 template <bool Async>
-Result<Async> Finish(const std::string& e) {
-  ffi::Error error = e.empty() ? ffi::Error::Success() : ffi::Error::Internal(e);
+Result<Async> Finish(std::string e) {
   if constexpr (Async) {
-    ffi::Promise promise;
-    ffi::Future future(promise);
-    if (e.empty()) {
-      promise.SetAvailable();
-    } else {
-      promise.SetError(std::move(error));
-    }
-    return future;
+    return Outcome{std::move(e), std::nullopt};
   } else {
-    return error;
+    return e.empty() ? ffi::Error::Success() : ffi::Error::Internal(std::move(e));
   }
 }
 
@@ -194,7 +214,10 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
                   Prepare prepare, Body body, std::shared_ptr<Started> started = nullptr) {
   Runtime* rt = &runtime;  // (the core library's one runtime)
   CommEntry* ce = nullptr;
-  std::string e = CheckAlive(c.op);
+  std::string e = a.comm >= 0 ? CheckAlive(c.op)
+                              : std::string("vjpmpi.") + c.op + ": this program's call attributes "
+                                "are not the ones these kernels take (a program lowered by "
+                                "another vjpmpi release); trace it again";
   if (e.empty()) e = Resolve(*rt, c, a.comm, collective, &ce);
   bool busy = false;  // (one collective at a time on a communicator, in this process)
   if (e.empty() && collective) {
@@ -256,7 +279,7 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
             }
           });
         });
-        return future;
+        return Outcome{{}, std::move(future)};
       }
     }
     if (e.empty()) e = Tail(*rt, mem, c, a, ce, collective, body);
@@ -267,7 +290,7 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
     ForgetStarted(*started);
   }
   if (!e.empty()) ForgetRun(a.run);
-  return Finish<Async>(e);
+  return Finish<Async>(std::move(e));
 }
 
 inline std::string Ok() { return {}; }

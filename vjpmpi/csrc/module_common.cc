@@ -56,7 +56,7 @@ void DefineCommon(nb::module_& m, std::vector<Registration> registrations) {
   // backend module links): its address, a call site's text, and one guarded "call"
   // entered exactly as this module's handlers enter one (trace, call counter, overlap
   // counter, watchdog entry), without MPI.
-  m.def("_runtime_address", []() {
+  m.def("runtime_address", []() {
     return static_cast<int64_t>(reinterpret_cast<uintptr_t>(&runtime));
   });
   m.def("_site_for_test", [](int64_t id) { return Site(runtime, id, ""); });
