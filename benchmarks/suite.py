@@ -139,6 +139,26 @@ def floor_ops(n):
     }
 
 
+def fori_interleaved(vjpmpi, mpi4jax, x, x_np, y_np, half, n_ops, reps):
+    """vjpmpi's and mpi4jax's jitted fori_loop of allreduce(SUM) and mpi4py's loop,
+    timed in turn within each repetition: the medians of the per-repetition ratios
+    (each repetition's three runs see the same machine), which hold where medians of
+    separate runs swing with the machine."""
+    import jax
+
+    cases = {}
+    for name, op in (("vjpmpi", lambda c: vjpmpi.allreduce(c, MPI.SUM)),
+                     ("mpi4jax", lambda c: mpi4jax.allreduce(c, op=MPI.SUM))):
+        f = fori(lambda c, op=op: op(c) * half, n_ops)
+        jax_block(f(x))
+        cases[name] = lambda f=f: jax_block(f(x))
+    cases["mpi4py"] = repeat(lambda: COMM.Allreduce(x_np, y_np, op=MPI.SUM), n_ops)
+    t = {k: np.array(v) for k, v in interleaved(cases, reps, each=True).items()}
+    return {"interleaved_reps": reps,
+            "interleaved_vs_mpi4jax": float(np.median(t["vjpmpi"] / t["mpi4jax"])),
+            "interleaved_vs_floor": float(np.median(t["vjpmpi"] / t["mpi4py"]))}
+
+
 # ---------------------------------------------------------------------- main --
 def main_part(quick):
     import vjpmpi  # first: vjpmpi sets JAX's CPU dispatch up before any array exists
@@ -206,6 +226,8 @@ def main_part(quick):
         if mpi4jax is not None:
             row["mpi4jax_fori"] = timed(fori(lambda c: mpi4jax.allreduce(c, op=MPI.SUM) * half,
                                              n_ops), x, n_ops, reps)
+            row.update(fori_interleaved(vjpmpi, mpi4jax, x, x_np, y_np, half, n_ops,
+                                        5 if quick else 15))
             m_one = jax.jit(lambda v: mpi4jax.allreduce(v, op=MPI.SUM))
             m_one(x).block_until_ready()
             k = max(n_ops // 10, 10)

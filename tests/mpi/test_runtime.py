@@ -11,6 +11,7 @@ import ctypes
 import os
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -137,3 +138,22 @@ def test_every_dtype_round_trips_allgather(name):
 
 def test_trace_flag_is_the_environments():
     assert _kernels.trace_enabled() == (os.environ.get("VJPMPI_TRACE", "") not in ("", "0"))
+
+
+# ------------------------------------------------------ the call's attributes --
+def test_a_program_with_other_call_attributes_is_refused(monkeypatch):
+    """The kernels read a call's attributes by position from one array; a program whose
+    array has another length (lowered by another vjpmpi release) is refused with a
+    message on every rank, before any MPI call, instead of reading its values wrongly."""
+    from vjpmpi import _lowering
+
+    x = jnp.arange(3.0) + rank
+    good = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
+    assert_equal(good(x), sum(np.arange(3.0) + r for r in range(size)))
+    monkeypatch.setattr(_lowering, "CALL_ATTRS", (*_lowering.CALL_ATTRS, "another"))
+    other = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM) * 2)
+    with pytest.raises(Exception, match=r"vjpmpi\.allreduce: this program's call attributes are "
+                                        r"not the ones these kernels take .*trace it again"):
+        other(x).block_until_ready()
+    monkeypatch.undo()
+    assert_equal(good(x + 1), sum(np.arange(3.0) + 1 + r for r in range(size)))
