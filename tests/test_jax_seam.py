@@ -13,6 +13,8 @@ import ast
 import pathlib
 import types
 
+import pytest
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "vjpmpi"
 COMPAT = PACKAGE / "_jax_compat.py"
 # JAX's internal modules, public or private: only _jax_compat.py imports these
@@ -152,6 +154,7 @@ def _public_home(name: str, modules: list[str]) -> str | None:
     return None
 
 
+@pytest.mark.jax_version  # (.ci/run runs it at both ends of the JAX range too)
 def test_private_names_in_use_on_this_jax():
     import jax
 
