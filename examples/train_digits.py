@@ -23,6 +23,7 @@ from sklearn.datasets import load_digits
 
 import vjpmpi.nn as vnn
 from plots import save_loss_curves
+from progress import StepBar
 from single_process import on_one_rank
 
 COMM = MPI.COMM_WORLD
@@ -90,10 +91,7 @@ def main(steps=300, batch=128, lr=3e-3, out="examples/out/train_digits.png", sho
 
     progress = None
     if show and COMM.rank == 0:
-        from tqdm import tqdm
-
-        progress = tqdm(total=steps, desc=f"tensor-parallel MLP on {COMM.size} ranks",
-                        mininterval=0.5)
+        progress = StepBar(steps, f"tensor-parallel MLP on {COMM.size} ranks")
     parallel, losses = train(parallel, data, steps, batch, lr, progress)
     if progress is not None:
         progress.close()

@@ -37,6 +37,7 @@ from mpi4py import MPI
 
 import vjpmpi.nn as vnn
 from plots import save_loss_curves
+from progress import StepBar
 from single_process import on_one_rank
 
 COMM = MPI.COMM_WORLD
@@ -324,9 +325,7 @@ def main_moe(experts, steps, batch, lr, out, show):
     progress = None
     grid = f"{size} data x expert parallel, {experts} experts"
     if show and rank == 0:
-        from tqdm import tqdm
-
-        progress = tqdm(total=steps, mininterval=0.5, desc=f"MoE LM on {size} ranks")
+        progress = StepBar(steps, f"MoE LM on {size} ranks")
     model, losses = train_moe(model, mine, lr, COMM, progress)
     if progress is not None:
         progress.close()
@@ -378,9 +377,7 @@ def main(steps=150, batch=12, lr=3e-3, pipeline=1, micro=3, out="examples/out/tr
     if pipeline > 1:
         grid = f"{pipeline} pipeline x " + grid
     if show and rank == 0:
-        from tqdm import tqdm
-
-        progress = tqdm(total=steps, mininterval=0.5, desc=f"LM on {size} ranks ({grid})")
+        progress = StepBar(steps, f"LM on {size} ranks ({grid})")
     parallel, losses = train(parallel, mine, xent, opt, progress, mean_over=dp_comm,
                              pipeline=(pp_comm, micro) if pipeline > 1 else None)
     if progress is not None:

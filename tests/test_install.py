@@ -153,6 +153,19 @@ def test_source_tree_without_build_says_so(tmp_path):
     assert "compiled kernels are not in" in r.stderr and "pip install ." in r.stderr
 
 
+def test_version_is_the_distributions():
+    """`vjpmpi.__version__` is the installed distribution's (pyproject.toml's version), not a
+    second copy written by hand that can drift from it."""
+    import tomllib
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    r = python("import importlib.metadata as m, vjpmpi\n"
+               "print(vjpmpi.__version__, m.version('vjpmpi'))\n")
+    assert r.returncode == 0, r.stderr
+    mine, installed = r.stdout.split()
+    assert mine == installed == meta["project"]["version"]
+
+
 @pytest.mark.jax_version
 def test_jax_range_is_declared_once():
     """pyproject.toml's JAX range, its build-time jaxlib (the FFI headers) and the range

@@ -1,5 +1,7 @@
 """vjpmpi: strictly ordered, differentiable MPI collectives for JAX (XLA FFI kernels)."""
 
+import importlib.metadata as _metadata
+
 from ._versions import JaxVersionWarning as JaxVersionWarning
 from ._versions import check_jax as _check_jax
 
@@ -49,4 +51,4 @@ from ._seam import install as _install_seam  # noqa: E402
 
 _install_seam()  # (vjpmpi's hooks in JAX, once: every primitive above is registered)
 
-__version__ = "0.1.0"
+__version__ = _metadata.version("vjpmpi")  # (the installed distribution's: pyproject.toml)
