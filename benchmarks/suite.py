@@ -204,24 +204,26 @@ def main_part(quick):
                    n_ops), x, n_ops, reps)}
         one = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
         one(x).block_until_ready()
-        row["jit_call"] = median(repeat(lambda: one(x).block_until_ready(), n_ops), n_ops, reps)
         # what JAX's dispatch alone costs on this machine: the same call, no collective
         plain = jax.jit(lambda v: v * 2.0)
         plain(x).block_until_ready()
-        row["jit_call_plain"] = median(repeat(lambda: plain(x).block_until_ready(), n_ops),
-                                       n_ops, reps)
         # the same call with a loop of two allreduces before it: the token chain runs
         # through the loop (program order across regions), three collectives per call
         regions = jax.jit(lambda v: vjpmpi.allreduce(jax.lax.fori_loop(
             0, 2, lambda i, c: vjpmpi.allreduce(c, MPI.MAX), v), MPI.SUM))
         regions(x).block_until_ready()
-        row["jit_call_loop"] = median(repeat(lambda: regions(x).block_until_ready(), n_ops),
-                                      n_ops, reps)
         # eager calls with fresh MPI.Op / communicator objects every time
         vjpmpi.allreduce(x, MPI.SUM).block_until_ready()
         before = counter.count
-        row["eager"] = median(repeat(lambda: vjpmpi.allreduce(
-            x, MPI.Op(MPI.SUM)).block_until_ready(), n_ops), n_ops, reps)
+        # single calls of some microseconds, compared with one another: timed in turn in
+        # each repetition (`interleaved`), so that every case sees the same noise
+        calls = interleaved({
+            "jit_call": repeat(lambda: one(x).block_until_ready(), n_ops),
+            "jit_call_plain": repeat(lambda: plain(x).block_until_ready(), n_ops),
+            "jit_call_loop": repeat(lambda: regions(x).block_until_ready(), n_ops),
+            "eager": repeat(lambda: vjpmpi.allreduce(x, MPI.Op(MPI.SUM)).block_until_ready(),
+                            n_ops)}, reps)
+        row.update({k: t / n_ops for k, t in calls.items()})
         row["eager_recompiles"] = counter.count - before
         if mpi4jax is not None:
             row["mpi4jax_fori"] = timed(fori(lambda c: mpi4jax.allreduce(c, op=MPI.SUM) * half,
@@ -340,9 +342,14 @@ def main_part(quick):
     # vmap batching and data-parallel gradient sync
     xs = jnp.ones((64, 256), jnp.float32)
     allred = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
-    out["vmap"] = {"vmap": timed(jax.jit(jax.vmap(lambda v: vjpmpi.allreduce(v, MPI.SUM))), xs,
-                                 1, reps),
-                   "one": timed(allred, xs.reshape(-1), 1, reps)}
+    batched = jax.jit(jax.vmap(lambda v: vjpmpi.allreduce(v, MPI.SUM)))
+    flat64 = xs.reshape(-1)
+    jax_block(batched(xs))
+    jax_block(allred(flat64))
+    # interleaved: single calls of some microseconds, each pair timed under the same noise
+    out["vmap"] = interleaved({"vmap": lambda: jax_block(batched(xs)),
+                               "one": lambda: jax_block(allred(flat64))},
+                              3 if quick else 201)
     # gradient sync: alone, and its marginal cost inside an SGD step (a step whose 100
     # leaves are inputs and outputs pays ~3 us per leaf with or without communication)
     grads = {f"w{i}": jnp.ones((32, 32), jnp.float32) for i in range(100)}
