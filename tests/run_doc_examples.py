@@ -9,6 +9,7 @@ rank waits forever for one that stopped; rank 0 prints how many ran.
 """
 
 import json
+import linecache
 import sys
 import traceback
 
@@ -16,6 +17,9 @@ import traceback
 def main(path):
     examples = json.load(open(path))
     for ex in examples:
+        # (the source where tracebacks look for it: a failure shows its line)
+        linecache.cache[ex["where"]] = (len(ex["source"]), None,
+                                        ex["source"].splitlines(True), ex["where"])
         try:
             code = compile(ex["source"], ex["where"], "exec")
             exec(code, {"__name__": "__main__"})

@@ -1,6 +1,8 @@
-"""The API reference: `mkdocs build --strict` (warnings are errors) passes, and every
-public name of vjpmpi, vjpmpi.nn, vjpmpi.fft and vjpmpi.compat.mpi4jax has a docstring and an
-entry in the built pages."""
+"""The docs site: `mkdocs build --strict` (warnings are errors) passes, it has its pages
+and its search index, every public name of vjpmpi, vjpmpi.nn, vjpmpi.fft and
+vjpmpi.compat.mpi4jax has a docstring and an entry in the built pages, and every public
+callable's docstring documents each argument, its result and its errors (the examples
+of the pages: test_doc_examples.py)."""
 
 import json
 import os
@@ -36,6 +38,10 @@ def test_docs_build_strict_and_document_every_public_name(tmp_path):
     assert listed.returncode == 0, listed.stderr
     public = json.loads(listed.stdout.strip().splitlines()[-1])
     assert len(public) > 40 and "vjpmpi.compat.mpi4jax.allreduce" in public
+    # the site's pages (one index.html each) and its search index
+    built_pages = [p for p in site.rglob("index.html")]
+    assert len(built_pages) >= 10, built_pages
+    assert (site / "search" / "search_index.json").exists()
     pages = "".join(p.read_text() for p in site.rglob("*.html"))
     missing = [n for n in public if f'id="{n}"' not in pages]
     undocumented = [n for n, has_doc in public.items() if not has_doc]

@@ -27,36 +27,35 @@ FFI_ATTRS = ("red", "root", "peer", "peer2", "tag", "tag2", "status", "reverse")
 class Collective:
     """Everything particular to one collective.
 
-    **Arguments:**
-
-    - `name`: primitive name suffix and FFI target (`vjpmpi_<name>`).
-    - `params`: the static parameters besides `comm`, each `name: FFI attribute`
-      (one of `FFI_ATTRS`); the primitive carries exactly these.
-    - `fixed`: FFI attributes with a value of this spec's own (`{"reverse": 1}`: a
-      scan over the ranks in reverse order).
-    - `out_avals`: `(params, *in_avals) -> list of output avals`.
-    - `alias`: `(operand, result)` that may share a buffer (in place), or None.
-    - `rank_axis`: `params -> (input_has_rank_axis, output_has_rank_axis)`: whether
-      the leading axis of operand 0 / result 0 enumerates the communicator's ranks
-      (used to place the batch axis behind it).
-    - `target`: the FFI handler it runs (default: `name`); None lowers to the identity.
-    - `linear`: `params -> bool`, whether the op is linear in its array operands for
-      these parameters (then its JVP is the op applied to the tangents).
-    - `transpose`: `(cts, args, params) -> cotangents of args`, the adjoint of the global
-      linear map; `args` holds `UndefinedPrimal`s for the linear operands.
-    - `nonlinear_jvp`: `(primals, tangents, outs, params) -> tangents out` when not
-      linear (`outs`: the primal results).
-    - `point_to_point`: the op pairs with one peer's op (send, recv, sendrecv), not with
-      a collective of every rank: it takes no part in the ranks' agreement on collectives.
-    - `refuse_derivative`: `params -> None, or why` these parameters have no derivative
-      (a receive from `MPI.ANY_SOURCE`): the tangent op is then bound refused (see `bind`).
-    - `block`: `(params, in_avals) -> tuple`, what the ranks agree on as the per-rank
-      block, where it is not operand 0's shape (less its rank axis).
-    - `batch`: `(prim, args, dims, params) -> (outs, out_dims)`, a batching rule of the
-      op's own, where moving the batch axis into each rank's block is not it.
-    - `host_only`: the kernel exists for host memory only (no CUDA handler yet).
-    - `describe`: `params -> text`, how a call site names the call (default: the target
-      and the parameters `_lowering` knows how to show), where one kernel serves several ops.
+    Attributes:
+        name: primitive name suffix and FFI target (`vjpmpi_<name>`).
+        params: the static parameters besides `comm`, each `name: FFI attribute`
+            (one of `FFI_ATTRS`); the primitive carries exactly these.
+        fixed: FFI attributes with a value of this spec's own (`{"reverse": 1}`: a
+            scan over the ranks in reverse order).
+        out_avals: `(params, *in_avals) -> list of output avals`.
+        alias: `(operand, result)` that may share a buffer (in place), or None.
+        rank_axis: `params -> (input_has_rank_axis, output_has_rank_axis)`: whether
+            the leading axis of operand 0 / result 0 enumerates the communicator's ranks
+            (used to place the batch axis behind it).
+        target: the FFI handler it runs (default: `name`); None lowers to the identity.
+        linear: `params -> bool`, whether the op is linear in its array operands for
+            these parameters (then its JVP is the op applied to the tangents).
+        transpose: `(cts, args, params) -> cotangents of args`, the adjoint of the global
+            linear map; `args` holds `UndefinedPrimal`s for the linear operands.
+        nonlinear_jvp: `(primals, tangents, outs, params) -> tangents out` when not
+            linear (`outs`: the primal results).
+        point_to_point: the op pairs with one peer's op (send, recv, sendrecv), not with
+            a collective of every rank: it takes no part in the ranks' agreement on collectives.
+        refuse_derivative: `params -> None, or why` these parameters have no derivative
+            (a receive from `MPI.ANY_SOURCE`): the tangent op is then bound refused (see `bind`).
+        block: `(params, in_avals) -> tuple`, what the ranks agree on as the per-rank
+            block, where it is not operand 0's shape (less its rank axis).
+        batch: `(prim, args, dims, params) -> (outs, out_dims)`, a batching rule of the
+            op's own, where moving the batch axis into each rank's block is not it.
+        host_only: the kernel exists for host memory only (no CUDA handler yet).
+        describe: `params -> text`, how a call site names the call (default: the target
+            and the parameters `_lowering` knows how to show), where one kernel serves several ops.
     """
 
     name: str
