@@ -93,7 +93,7 @@ def test_allreduce_sum_transposes_to_the_identity():
 
 
 def test_data_parallel_step_port():
-    """The README's worked port: an mpi4jax data-parallel step differentiates the
+    """The worked port of docs/guides/mpi4jax.md: an mpi4jax data-parallel step differentiates the
     allreduced loss, then averages the gradients; its numbers stay with the compat
     import, become `size` times larger with `import vjpmpi as mpi4jax`, and vjpmpi's
     replicated pair gives the full-batch gradient with no gradient allreduce."""

@@ -12,7 +12,7 @@ cannot differentiate or batch (allreduce with MAX/MIN/PROD, reduce, bcast, gathe
 scatter, allgather, alltoall, scan, send, recv, `jax.jvp` of sendrecv, `vmap` of most
 ops) gets vjpmpi's exact rules instead of an error. Everything else is vjpmpi:
 ordering on one token chain, float16/bfloat16, checks at trace time with vjpmpi's
-messages, the CUDA backend. The README's "Coming from mpi4jax" lists every difference.
+messages, the CUDA backend. docs/guides/mpi4jax.md lists every difference.
 """
 
 from mpi4py import MPI
