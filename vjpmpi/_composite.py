@@ -21,22 +21,44 @@ def ordered_collective(fun: Callable | None = None, *, name: str | None = None):
     - `jax.jvp`, `jax.vmap`, `jax.jit`, `jax.checkpoint` and nesting work unchanged.
 
     The decorator names the unit in the lowered program (`vjpmpi.<name>`), so it is
-    visible in HLO dumps and profiles, and checks that it returns arrays.
+    visible in HLO dumps and profiles, and checks that it returns arrays. Use it bare
+    (`@vjpmpi.ordered_collective`) or with a name (`@vjpmpi.ordered_collective(name="halo")`).
 
-    **Example:** a 1-D periodic halo exchange, differentiable end to end:
+    Args:
+        fun (Callable | None): the function to wrap, of any arguments, returning a pytree
+            of arrays; None to get a decorator that takes it (`name` given alone).
+        name (str | None): the unit's name in the lowered program (default: `fun`'s
+            `__name__`).
 
-    ```python
-    @vjpmpi.ordered_collective
-    def halo(u):  # u: this rank's interior cells
-        r, n = comm.rank, comm.size
-        left = vjpmpi.sendrecv(u[-1:], u[:1], source=(r - 1) % n, dest=(r + 1) % n, comm=comm)
-        right = vjpmpi.sendrecv(u[:1], u[-1:], source=(r + 1) % n, dest=(r - 1) % n, comm=comm)
-        return jnp.concatenate([left, u, right])
+    Returns:
+        (Callable): The wrapped function (same signature and results as `fun`), or, when
+            `fun` is None, a decorator that makes one.
 
-    grad = jax.grad(lambda u: jnp.sum(jnp.diff(halo(u)) ** 2))(u)
-    ```
+    Raises:
+        TypeError: when the wrapped function is called and `fun` returns a leaf that is
+            not an array (pytrees of arrays only); and whatever its collectives raise.
 
-    Transpose: the composite's own adjoint, assembled from its collectives' partners.
+    Shape:
+        `fun`'s.
+
+    Transpose:
+        the composite's own adjoint, assembled from its collectives' partners.
+
+    Example:
+        ```python
+        import jax
+        import jax.numpy as jnp
+        from mpi4py import MPI
+        import vjpmpi
+        r, n = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        @vjpmpi.ordered_collective
+        def halo(u):  # this rank's cells and, each side, its neighbour's (periodic)
+            left = vjpmpi.sendrecv(u[-1:], u[:1], source=(r - 1) % n, dest=(r + 1) % n)
+            right = vjpmpi.sendrecv(u[:1], u[-1:], source=(r + 1) % n, dest=(r - 1) % n)
+            return jnp.concatenate([left, u, right])
+        y, back = jax.vjp(halo, jnp.arange(2.0) + 2 * r)  # 0, 1, ..., 2n - 1 in blocks of 2
+        assert y[0] == (2 * r - 1) % (2 * n) and (back(jnp.ones(4))[0] == 2.0).all()
+        ```
     """
     if fun is None:
         return functools.partial(ordered_collective, name=name)

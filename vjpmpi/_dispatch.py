@@ -25,7 +25,15 @@ _LATE = (
 
 
 class OrderingWarning(RuntimeWarning):
-    """The CPU client may run programs containing collectives out of dispatch order."""
+    """Emitted at `import vjpmpi` when JAX may run programs out of dispatch order.
+
+    A warning, not an exception: the import goes on.
+    vjpmpi turns JAX's asynchronous CPU dispatch off at import, which must happen before JAX
+    creates its CPU client. When vjpmpi is imported after a JAX array was created and
+    `jax_cpu_enable_async_dispatch` is still on, separately dispatched programs may run
+    out of order on different ranks and deadlock MPI. Import vjpmpi before creating any
+    JAX array, or set `JAX_CPU_ENABLE_ASYNC_DISPATCH=false`.
+    """
 
 
 def ensure_synchronous_cpu_dispatch() -> bool:

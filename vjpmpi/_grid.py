@@ -52,6 +52,15 @@ class ProcessGrid:
     Grid dimension `i` splits array axis `axes[i]` (default: axis `i`) into
     `dims[i]` blocks, as equal as they can be (the first `n % dims[i]` one longer).
     Constructing it is collective over `cart` (it makes the axis communicators).
+
+    Args:
+        cart (MPI.Cartcomm): the Cartesian communicator (`comm.Create_cart(dims,
+            periods=...)`); the grid uses it and does not free it.
+
+    Raises:
+        TypeError: when `cart` is not an mpi4py Cartesian communicator.
+        ValueError: when `cart` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized.
     """
 
     def __init__(self, cart: MPI.Cartcomm):
@@ -69,8 +78,24 @@ class ProcessGrid:
     def create(cls, ndim: int, comm: MPI.Intracomm | None = None,
                periodic: bool | Sequence[bool] = True,
                dims: Sequence[int] | None = None) -> ProcessGrid:
-        """A grid of `ndim` dimensions over `comm` (default COMM_WORLD); `dims` default
-        `MPI.Compute_dims(comm.size, ndim)`. Collective over `comm`."""
+        """A grid of `ndim` dimensions over `comm`. Collective over `comm`.
+
+        Args:
+            ndim (int): the number of grid dimensions.
+            comm (MPI.Intracomm | None): the communicator whose ranks make the grid (None:
+                `MPI.COMM_WORLD`).
+            periodic (bool | Sequence[bool]): whether each dimension wraps around (one bool:
+                all of them).
+            dims (Sequence[int] | None): the number of ranks along each dimension (default
+                `MPI.Compute_dims(comm.size, ndim)`).
+
+        Returns:
+            (ProcessGrid): The grid, on a new Cartesian communicator that `free` frees.
+
+        Raises:
+            ValueError: when `dims` does not have `ndim` entries whose product is the
+                communicator's size.
+        """
         comm = MPI.COMM_WORLD if comm is None else comm
         dims = list(MPI.Compute_dims(comm.size, ndim) if dims is None else dims)
         if len(dims) != ndim or int(np.prod(dims)) != comm.size:
@@ -93,7 +118,25 @@ class ProcessGrid:
 
     def block(self, shape: Sequence[int], axes: Sequence[int] | None = None,
               rank: int | None = None) -> tuple[slice, ...]:
-        """The slices of a global array of `shape` that `rank` (default: this rank) holds."""
+        """The slices of a global array of `shape` that `rank` holds.
+
+        Local: no communication.
+
+        Args:
+            shape (Sequence[int]): the global array's shape.
+            axes (Sequence[int] | None): the array axis each grid dimension splits, one per
+                dimension (negative ones count from the end; default: axis `i` for dimension
+                `i`).
+            rank (int | None): a rank of the grid's communicator (default: this rank).
+
+        Returns:
+            (tuple[slice, ...]): One slice per axis of `shape` (the whole axis where no grid
+                dimension splits it).
+
+        Raises:
+            ValueError: when `axes` does not name one distinct axis per grid dimension, or a
+                split axis has fewer entries than its grid dimension has ranks.
+        """
         coords = self.coords if rank is None else tuple(self.cart.Get_coords(rank))
         out = [slice(0, int(n)) for n in shape]
         for i, a in enumerate(self._axes(len(shape), axes, "block")):
@@ -106,12 +149,42 @@ class ProcessGrid:
         return tuple(out)
 
     def local(self, global_array, axes: Sequence[int] | None = None):
-        """This rank's block of `global_array` (which every rank holds), as a JAX array."""
+        """This rank's block of `global_array` (which every rank holds), as a JAX array.
+
+        Local: no communication.
+
+        Args:
+            global_array (ArrayLike): the whole array, the same on every rank.
+            axes (Sequence[int] | None): the array axis each grid dimension splits (default:
+                axis `i` for dimension `i`).
+
+        Returns:
+            (jax.Array): The block `block(global_array.shape, axes)` of it, as a JAX array.
+
+        Raises:
+            ValueError: as `block`.
+        """
         return jnp.asarray(np.asarray(global_array)[self.block(np.shape(global_array), axes)])
 
     def gather(self, local, shape: Sequence[int], axes: Sequence[int] | None = None) -> np.ndarray:
         """The global array of `shape` assembled from every rank's block, on every rank.
-        Eager (mpi4py), for tests and examples."""
+
+        Eager (mpi4py's `allgather` on the grid's communicator), for tests and examples:
+        collective over the grid, not differentiable.
+
+        Args:
+            local (ArrayLike): this rank's block, `block(shape, axes)`'s shape.
+            shape (Sequence[int]): the global array's shape.
+            axes (Sequence[int] | None): the array axis each grid dimension splits (default:
+                axis `i` for dimension `i`).
+
+        Returns:
+            (np.ndarray): The global array, a NumPy array of `shape` with the blocks' dtype
+                (rank 0's).
+
+        Raises:
+            ValueError: as `block`, or when a rank's block does not have its slices' shape.
+        """
         blocks = self.cart.allgather(np.asarray(local))
         out = np.empty(tuple(shape), blocks[0].dtype)
         for r, b in enumerate(blocks):
@@ -119,7 +192,11 @@ class ProcessGrid:
         return out
 
     def free(self) -> None:
-        """Free the communicators the grid made (collective); a `cart` passed in stays."""
+        """Free the communicators the grid made (collective); a `cart` passed in stays.
+
+        Returns:
+            (None): nothing.
+        """
         for c in self.axis_comms:
             if c is not self.cart:
                 c.Free()

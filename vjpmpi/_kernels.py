@@ -63,7 +63,10 @@ def custom_call_targets() -> tuple[str, ...]:
     communicator's in the loading process).
 
     Returns:
-        The targets' names, each `vjpmpi_<name>`.
+        (tuple[str, ...]): The targets' names, each `vjpmpi_<name>`, as a tuple of str.
+
+    Raises:
+        Nothing: it lists what the kernels registered at import.
     """
     return tuple(f"vjpmpi_{name}" for name in cpu.registrations())
 
@@ -172,18 +175,30 @@ set_async_bytes(_env_async_bytes())
 
 @contextlib.contextmanager
 def async_threshold(nbytes: int | str | None):
-    """Within the block, a call that moves at least `nbytes` (its larger side, in or
-    out; None: no call) runs asynchronously: on the CPU, its MPI call runs on the
-    communicator's own thread while XLA runs the rest of the program that does not wait
-    for its result. Results are the same either way; only where the time goes changes.
-    "auto" (the default; VJPMPI_ASYNC_BYTES, read at import, overrides it) is 64 KiB on
-    a communicator whose processes are on more than one node (as MPI_COMM_TYPE_SHARED
-    splits COMM_WORLD) and None on one within a node, where nothing overlaps and the
-    thread hand-offs only cost. The setting applies to the programs dispatched inside
-    the block, whenever they were compiled: entering and leaving wait for the programs
-    already dispatched (`jax.effects_barrier()`), so that one program never runs under
-    two settings. The MPI call is the same blocking call on either thread, so ranks may
-    use different settings.
+    """Within the block, run the calls that move at least `nbytes` asynchronously.
+
+    On the CPU, such a call's MPI call runs on the communicator's own thread while XLA
+    runs the rest of the program that does not wait for its result. Results are the same
+    either way; only where the time goes changes. "auto" (the default; VJPMPI_ASYNC_BYTES,
+    read at import, overrides it) is 64 KiB on a communicator whose processes are on more
+    than one node (as MPI_COMM_TYPE_SHARED splits COMM_WORLD) and None on one within a
+    node, where nothing overlaps and the thread hand-offs only cost. The setting applies
+    to the programs dispatched inside the block, whenever they were compiled: entering and
+    leaving wait for the programs already dispatched (`jax.effects_barrier()`), so that one
+    program never runs under two settings. The MPI call is the same blocking call on
+    either thread, so ranks may use different settings.
+
+    Args:
+        nbytes (int | str | None): the threshold in bytes (a call's larger side, in or
+            out), an int >= 0; `"auto"`; or None (no call runs asynchronously).
+
+    Returns:
+        (contextlib.AbstractContextManager): A context manager for a `with` block (it gives
+            None); the previous setting comes back when the block ends.
+
+    Raises:
+        ValueError: on entering the block, when `nbytes` is not an int >= 0 (a bool is
+            not), `"auto"` or None.
     """
     if not _is_auto(nbytes) and nbytes is not None and not (
             isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes >= 0):
@@ -236,7 +251,18 @@ def call_counts() -> tuple[int, int]:
 
 
 def cuda_mode() -> str | None:
-    """'host-staged' or 'cuda-aware' for GPU buffers; None without the CUDA backend."""
+    """How vjpmpi's CUDA backend hands GPU buffers to MPI.
+
+    Chosen at import from `VJPMPI_CUDA_AWARE`: `auto` (device pointers when MPI reports
+    CUDA support), `0` (stage through pinned host memory) or `1` (require CUDA-aware MPI).
+
+    Returns:
+        (str | None): `"cuda-aware"` (device pointers go to MPI), `"host-staged"` (copied
+            through host memory), or None when vjpmpi was built without the CUDA backend.
+
+    Raises:
+        Nothing: it reads the setting made at import.
+    """
     return None if cuda is None else cuda.cuda_mode()
 
 
@@ -245,6 +271,13 @@ def take_trace() -> list[str]:
 
     Recording is opt-in: set `VJPMPI_TRACE=1` in the environment before importing
     vjpmpi. Compare the lists of all ranks to see where their sequences diverge.
+
+    Returns:
+        (list[str]): One line of text per collective run since the last call (or since
+            import), oldest first; the record is emptied.
+
+    Raises:
+        RuntimeError: when `VJPMPI_TRACE=1` was not set before vjpmpi was imported.
     """
     if not trace_enabled():
         raise RuntimeError("vjpmpi.take_trace: set VJPMPI_TRACE=1 before importing vjpmpi")

@@ -36,8 +36,46 @@ define(Collective("bcast", like(0), _ROOT, alias=(0, 0), transpose=_t_bcast))
 def bcast(x, root, *, comm=None):
     """Broadcast `root`'s `x` to every rank (other ranks' `x` is a shape/dtype template).
 
-    Shape: `s` -> `s` on every rank.
-    Transpose: reduce(SUM) onto `root`.
+    MPI_Bcast. Linear: its JVP is the bcast of the tangents.
+
+    Args:
+        x (ArrayLike): on `root`, the array to send; elsewhere a template of the same
+            shape and dtype (its values are not used).
+        root (int): the rank that sends.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+
+    Returns:
+        (jax.Array): `root`'s `x`, on every rank.
+
+    Raises:
+        TypeError: when `x` is not an array (or convertible to one) of a dtype MPI can
+            carry, `root` is not an int, or `comm` is not an mpi4py intracommunicator or
+            None.
+        ValueError: when `root` is outside the communicator, or `comm` is `MPI.COMM_NULL` or
+            freed.
+        RuntimeError: when MPI has been finalized, when called from inside a host
+            callback, or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+            the collective (dtype, shape, root, or its place in their sequence).
+
+    Shape:
+        `s` -> `s` on every rank.
+
+    Transpose:
+        reduce(SUM) onto `root` (the other ranks' templates get a zero cotangent).
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from mpi4py import MPI
+        import vjpmpi
+
+        r = MPI.COMM_WORLD.Get_rank()
+        x = jnp.arange(3.0) if r == 0 else jnp.zeros(3)  # elsewhere: a template
+        y = vjpmpi.bcast(x, 0)
+        assert (y == jnp.arange(3.0)).all()  # on every rank
+        ```
     """
     x = array(x, "bcast")
     c = as_comm(comm, "bcast")
@@ -54,8 +92,43 @@ define(Collective("allgather", lambda p, x: [with_shape(x, (p["comm"].size, *x.s
 def allgather(x, *, comm=None):
     """Gather every rank's `x` onto every rank, stacked in rank order.
 
-    Shape: `s` -> `(size, *s)` on every rank.
-    Transpose: reduce_scatter(SUM).
+    MPI_Allgather. Linear: its JVP is the allgather of the tangents.
+
+    Args:
+        x (ArrayLike): this rank's block, any shape (the same on every rank).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+
+    Returns:
+        (jax.Array): Every rank's `x` stacked on a new leading axis, in rank order (row `i`
+            from rank `i`), on every rank; `x`'s dtype.
+
+    Raises:
+        TypeError: when `x` is not an array (or convertible to one) of a dtype MPI can
+            carry, or `comm` is not an mpi4py intracommunicator or None.
+        ValueError: when `comm` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, when called from inside a host
+            callback, or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+            the collective (dtype, shape, root, or its place in their sequence).
+
+    Shape:
+        `s` -> `(size, *s)` on every rank.
+
+    Transpose:
+        reduce_scatter(SUM).
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from mpi4py import MPI
+        import vjpmpi
+
+        r = MPI.COMM_WORLD.Get_rank()
+        y = vjpmpi.allgather(jnp.full(2, float(r)))
+        assert y.shape == (2, 2)  # at 2 ranks: (size, 2)
+        assert (y[0] == 0.0).all() and (y[1] == 1.0).all()  # row i from rank i
+        ```
     """
     x = array(x, "allgather")
     (y,) = bind(PRIMITIVES["allgather"], [x], as_comm(comm, "allgather"))
@@ -80,8 +153,34 @@ define(Collective("gather", _gather_out, _ROOT, alias=(0, 0),
 def gather(x, root, *, comm=None):
     """Gather every rank's `x` onto `root`, stacked in rank order; others get `x` back.
 
-    Shape: `s` -> `(size, *s)` on `root`, `s` elsewhere.
-    Transpose: scatter from `root`.
+    MPI_Gather. Linear: its JVP is the gather of the tangents.
+
+    Args:
+        x (ArrayLike): this rank's block, any shape (the same on every rank).
+        root (int): the rank that receives.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+
+    Returns:
+        (jax.Array): On `root`, every rank's `x` stacked on a new leading axis in rank
+            order; elsewhere `x` itself. `x`'s dtype.
+
+    Raises:
+        TypeError: when `x` is not an array (or convertible to one) of a dtype MPI can
+            carry, `root` is not an int, or `comm` is not an mpi4py intracommunicator or
+            None.
+        ValueError: when `root` is outside the communicator, or `comm` is `MPI.COMM_NULL` or
+            freed.
+        RuntimeError: when MPI has been finalized, when called from inside a host
+            callback, or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+            the collective (dtype, shape, root, or its place in their sequence).
+
+    Shape:
+        `s` -> `(size, *s)` on `root`, `s` elsewhere.
+
+    Transpose:
+        scatter from `root` (plus the identity on non-root ranks).
     """
     x = array(x, "gather")
     c = as_comm(comm, "gather")
@@ -107,23 +206,36 @@ define(Collective("scatter", _scatter_out, _ROOT, alias=(0, 0),
 def scatter(x, root, *, comm=None) -> jax.Array:
     """Send block `r` of `root`'s `x` to rank `r`.
 
+    MPI_Scatter. Linear: its JVP is the scatter of the tangents.
+
     Args:
         x (ArrayLike): on `root`, the blocks stacked on a leading axis of the
             communicator's size; elsewhere a template of one block's shape and dtype.
         root (int): the rank that sends.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's default).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
 
     Returns:
-        This rank's block.
+        (jax.Array): This rank's block of `root`'s `x`, with the template's shape and dtype.
 
     Raises:
-        ValueError: on `root`, at trace time, for an `x` without that leading axis (only
-            the root can check it: the ranks that wait in the scatter for it stop with
-            the same message), or a `root` outside the communicator.
-        TypeError: an argument of the wrong type or dtype.
+        TypeError: when `x` is not an array (or convertible to one) of a dtype MPI can
+            carry, `root` is not an int, or `comm` is not an mpi4py intracommunicator or
+            None.
+        ValueError: when `root` is outside the communicator, `comm` is `MPI.COMM_NULL` or
+            freed, or, on `root` only, at trace time, `x` has no leading axis of the
+            communicator's size (only the root can check it: the ranks that wait in the
+            scatter for it stop with the same message).
+        RuntimeError: when MPI has been finalized, when called from inside a host
+            callback, or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+            the collective (dtype, shape, root, or its place in their sequence).
 
-    Shape: on `root` `(size, *s)` -> `s`; elsewhere `x` is an `s`-shaped template -> `s`.
-    Transpose: gather onto `root`.
+    Shape:
+        On `root` `(size, *s)` -> `s`; elsewhere `x` is an `s`-shaped template -> `s`.
+
+    Transpose:
+        gather onto `root` (the other ranks' templates get a zero cotangent).
     """
     x = array(x, "scatter")
     c = as_comm(comm, "scatter")
@@ -146,8 +258,33 @@ define(Collective("alltoall", like(0), alias=(0, 0), rank_axis=lambda p: (True, 
 def alltoall(x, *, comm=None):
     """Send block `j` of `x` to rank `j`; block `i` of the result comes from rank `i`.
 
-    Shape: `(size, *s)` -> `(size, *s)`.
-    Transpose: alltoall.
+    MPI_Alltoall. Linear: its JVP is the alltoall of the tangents.
+
+    Args:
+        x (ArrayLike): the blocks for each rank stacked on a leading axis whose length is
+            the communicator's size.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+
+    Returns:
+        (jax.Array): The blocks received, stacked in source-rank order: row `i` is rank
+            `i`'s `x[r]`; `x`'s shape and dtype.
+
+    Raises:
+        TypeError: when `x` is not an array (or convertible to one) of a dtype MPI can
+            carry, or `comm` is not an mpi4py intracommunicator or None.
+        ValueError: when `x` has no leading axis of the communicator's size, or `comm` is
+            `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, when called from inside a host
+            callback, or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+            the collective (dtype, shape, root, or its place in their sequence).
+
+    Shape:
+        `(size, *s)` -> `(size, *s)`.
+
+    Transpose:
+        alltoall.
     """
     x = array(x, "alltoall")
     c = as_comm(comm, "alltoall")

@@ -71,11 +71,21 @@ def _world_nodes(world: MPI.Intracomm) -> list[int]:
 
 
 def default_comm() -> MPI.Intracomm:
-    """vjpmpi's private duplicate of COMM_WORLD (made at import, errors returned).
+    """vjpmpi's private duplicate of COMM_WORLD, what `comm=None` means.
 
-    Made when vjpmpi is imported (every rank imports it at the same point of an
-    SPMD program), with its agreement window, not at first use: a hidden collective at
-    first use would hang any rank whose first vjpmpi call comes at a different point.
+    Made when vjpmpi is imported (every rank imports it at the same point of an SPMD
+    program), with its agreement window, not at first use: a hidden collective at first
+    use would hang any rank whose first vjpmpi call comes at a different point. It returns
+    errors (`MPI.ERRORS_RETURN`) and is named `vjpmpi.COMM_WORLD`.
+
+    Returns:
+        (MPI.Intracomm): The duplicate communicator (an `MPI.Intracomm` with COMM_WORLD's
+            ranks), the same object at every call.
+
+    Raises:
+        MPI.Exception: only where MPI was not initialized when vjpmpi was imported, so that
+            this first call makes the duplicate (a collective over COMM_WORLD), and MPI
+            reports an error.
     """
     global _default
     with _default_lock:

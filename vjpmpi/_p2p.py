@@ -83,10 +83,36 @@ def prepare_send(x, dest, *, tag=0, comm=None) -> Call:
 
 
 def send(x, dest, *, tag=0, comm=None):
-    """Send `x` to rank `dest` (blocking standard-mode send). Returns None.
+    """Send `x` to rank `dest` (blocking standard-mode send).
 
-    Shape: `s` -> nothing.
-    Transpose: recv from `dest`.
+    MPI_Send. Linear: its JVP sends the tangent; in reverse mode the cotangent comes back
+    from `dest`, so `dest` must run the matching `recv` (or `sendrecv`) under the same
+    transformation.
+
+    Args:
+        x (ArrayLike): the array to send, any shape, a dtype MPI can carry.
+        dest (int): the receiving rank of `comm`, or `MPI.PROC_NULL` (no message).
+        tag (int): the message tag, `0..MPI.TAG_UB`.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+
+    Returns:
+        (None): nothing.
+
+    Raises:
+        TypeError: when `x` is not an array (or convertible to one) of a dtype MPI can
+            carry, `dest` or `tag` is not an int, or `comm` is not an mpi4py
+            intracommunicator or None.
+        ValueError: when `dest` is outside the communicator (and not `MPI.PROC_NULL`),
+            `tag` is outside `0..MPI.TAG_UB`, or `comm` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, or when called from inside a host
+            callback.
+
+    Shape:
+        `s` -> nothing.
+
+    Transpose:
+        recv from `dest`.
     """
     prepare_send(x, dest, tag=tag, comm=comm).run()
 
@@ -118,8 +144,40 @@ def prepare_recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status
 def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None):
     """Receive an array shaped like the template `x` from `source`.
 
-    Shape: template `s` -> `s`.  `status` (an `MPI.Status`) is filled on completion.
-    Transpose: send to `source`.
+    MPI_Recv. Linear: in reverse mode the cotangent goes back to `source` (a send), so
+    `source` must run the matching `send` under the same transformation. A receive from
+    `MPI.ANY_SOURCE` has no derivative: no rank is named to send the cotangent back to
+    (differentiating one ends the job with an error when it runs).
+
+    Args:
+        x (ArrayLike): a template of the shape and dtype to receive (its values are not
+            sent; with `source=MPI.PROC_NULL` they are the result).
+        source (int): the sending rank of `comm`, `MPI.ANY_SOURCE` (the default) or
+            `MPI.PROC_NULL` (no message).
+        tag (int): the tag to match, `0..MPI.TAG_UB`, or `MPI.ANY_TAG` (the default).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+        status (MPI.Status | None): if given, filled on completion (source, tag, count).
+
+    Returns:
+        (jax.Array): The array received, with `x`'s shape and dtype (`x` itself from
+            `MPI.PROC_NULL`).
+
+    Raises:
+        TypeError: when `x` is not an array (or convertible to one) of a dtype MPI can
+            carry, `source` or `tag` is not an int, `status` is not an `MPI.Status` or
+            None, or `comm` is not an mpi4py intracommunicator or None.
+        ValueError: when `source` is outside the communicator (and not `MPI.ANY_SOURCE`
+            or `MPI.PROC_NULL`), `tag` is outside `0..MPI.TAG_UB` (and not
+            `MPI.ANY_TAG`), or `comm` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, or when called from inside a host
+            callback.
+
+    Shape:
+        template `s` -> `s`.
+
+    Transpose:
+        send to `source`.
     """
     (y,) = prepare_recv(x, source, tag=tag, comm=comm, status=status).run()
     return y
@@ -172,8 +230,56 @@ def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, 
              status=None):
     """Send `sendbuf` to `dest` and receive an array shaped like `recvbuf` from `source`.
 
-    Shape: (`s`, template `t`) -> `t`.
-    Transpose: sendrecv with `source` and `dest` swapped.
+    MPI_Sendrecv: both in one call, so that ranks exchanging with one another cannot
+    deadlock. Linear in `sendbuf`: in reverse mode the cotangents travel back the other
+    way (a receive from `MPI.ANY_SOURCE` has no derivative; differentiating one ends the
+    job with an error when it runs).
+
+    Args:
+        sendbuf (ArrayLike): the array to send, any shape.
+        recvbuf (ArrayLike): a template of the shape and dtype to receive, the same dtype
+            as `sendbuf` (its values are not sent; with `source=MPI.PROC_NULL` they are the
+            result).
+        source (int): the rank to receive from, `MPI.ANY_SOURCE` or `MPI.PROC_NULL`.
+        dest (int): the rank to send to, or `MPI.PROC_NULL`.
+        sendtag (int): the tag of the message sent, `0..MPI.TAG_UB`.
+        recvtag (int): the tag to match, `0..MPI.TAG_UB`, or `MPI.ANY_TAG` (the default).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+        status (MPI.Status | None): if given, filled on completion of the receive.
+
+    Returns:
+        (jax.Array): The array received, with `recvbuf`'s shape and dtype (`recvbuf` itself
+            from `MPI.PROC_NULL`).
+
+    Raises:
+        TypeError: when `sendbuf` or `recvbuf` is not an array (or convertible to one) of
+            a dtype MPI can carry, their dtypes differ, `source`, `dest` or a tag is not an
+            int, `status` is not an `MPI.Status` or None, or `comm` is not an mpi4py
+            intracommunicator or None.
+        ValueError: when `source` or `dest` is outside the communicator (and not one of
+            the MPI constants above), a tag is outside `0..MPI.TAG_UB` (`recvtag` may be
+            `MPI.ANY_TAG`), or `comm` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, or when called from inside a host
+            callback.
+
+    Shape:
+        (`s`, template `t`) -> `t`.
+
+    Transpose:
+        sendrecv with `source` and `dest` swapped.
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from mpi4py import MPI
+        import vjpmpi
+
+        r, n = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        x = jnp.full(2, float(r))
+        y = vjpmpi.sendrecv(x, jnp.zeros(2), source=(r - 1) % n, dest=(r + 1) % n)
+        assert (y == (r - 1) % n).all()  # a ring shift: each rank gets its left neighbour's
+        ```
     """
     (y,) = prepare_sendrecv(sendbuf, recvbuf, source, dest, sendtag=sendtag, recvtag=recvtag,
                             comm=comm, status=status).run()

@@ -195,32 +195,48 @@ def ragged_alltoall(operand, output, input_offsets, send_sizes, output_offsets, 
     rank `i // per`, which writes it at row `output_offsets[i]` of its `output`
     (`output_offsets` name rows on the receiver, as in JAX); `recv_sizes[j * per + s]` is
     the size of the `s`-th slice this rank receives from rank `j`. Rows not received keep
-    `output`'s values. One call into MPI.
+    `output`'s values. One call into MPI; every rank's offsets and sizes are gathered to
+    every rank inside it, so a bad one is the same error everywhere. Linear in
+    `(operand, output)`.
 
     Args:
         operand (ArrayLike): the rows to send, shape `(rows, *row)`.
-        output (ArrayLike): the result's initial value, shape `(out_rows, *row)`, same dtype.
-        input_offsets (ArrayLike): int, shape `(n,)`, `n` a multiple of the size.
+        output (ArrayLike): the result's initial value, shape `(out_rows, *row)`, the
+            dtype and row shape of `operand`.
+        input_offsets (ArrayLike): int, shape `(n,)`, `n` a multiple of the size: where
+            each slice starts in `operand`.
         send_sizes (ArrayLike): int, shape `(n,)`, the rows of each slice sent.
         output_offsets (ArrayLike): int, shape `(n,)`, where each sent slice lands on its
             receiver.
         recv_sizes (ArrayLike): int, shape `(n,)`, the rows of each slice received.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's default).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
 
     Returns:
-        `output` with the received slices written in.
+        (jax.Array): `output` with the received slices written in (its shape and dtype).
 
     Raises:
-        ValueError: at trace time, shapes that do not fit (rows, lengths); when the call
-            runs, on every rank alike (an `XlaRuntimeError` with the text): a negative
+        TypeError: when an array argument is not an array (or convertible to one) of a dtype
+            MPI can carry, `output`'s dtype or row shape differs from `operand`'s, an offset
+            or size array is not of an integer dtype, or `comm` is not an mpi4py
+            intracommunicator or None.
+        ValueError: when `operand` or `output` is a scalar or has 2**31 rows or more,
+            `input_offsets` is not one-dimensional with a length that is a multiple of the
+            communicator's size, another offset or size array has not its shape, or
+            `comm` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, when called from inside a host callback,
+            or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when the call runs, on every rank alike: a negative
             offset or size, a slice past its operand or its receiver's output, a
-            `recv_sizes` entry that differs from its sender's `send_sizes`, or two slices
-            written over the same rows of one output.
-        TypeError: an argument of the wrong type or dtype.
+            `recv_sizes` entry that differs from its sender's `send_sizes`, two slices
+            written over the same rows of one output, or ranks that disagree on the call.
 
-    Shape: `(rows, *row)`, `(out_rows, *row)` -> `(out_rows, *row)`.
-    Transpose: the reverse exchange (each received slice's cotangent back to the rows it
-    came from, added; the received rows' cotangent taken out of `output`'s).
+    Shape:
+        `(rows, *row)`, `(out_rows, *row)` -> `(out_rows, *row)`.
+
+    Transpose:
+        the reverse exchange (each received slice's cotangent back to the rows it came
+        from, added; the received rows' cotangent taken out of `output`'s).
     """
     op = "ragged_alltoall"
     c = as_comm(comm, op)
@@ -245,25 +261,39 @@ def alltoallv(x, send_counts, *, capacity: int, comm=None) -> tuple[jax.Array, j
     """Send `send_counts[j]` rows of `x` to rank `j` (its blocks back to back from row 0).
 
     mpi4py's `Alltoallv` with run-time counts in a static capacity; the counts travel with
-    the call.
+    the call. Linear in `x`.
 
     Args:
         x (ArrayLike): shape `(rows, *row)`: the block for rank 0, then rank 1's, ...
         send_counts (ArrayLike): int, shape `(size,)`, the rows for each rank.
         capacity (int): the rows of the result.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's default).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
 
     Returns:
-        `(y, recv_counts)`: `y` of shape `(capacity, *row)` holds the blocks received, in
-        rank order from row 0, zeros after; `recv_counts[i]` rows came from rank `i`.
+        (tuple[jax.Array, jax.Array]): `(y, recv_counts)`: `y` of shape `(capacity, *row)`
+            and `x`'s dtype holds the blocks received, in rank order from row 0, zeros
+            after; `recv_counts` (int32, shape `(size,)`): `recv_counts[i]` rows came from
+            rank `i`.
 
     Raises:
-        ValueError: (when the call runs, on every rank) a negative count, counts past the
-            rows of `x`, or more rows received than `capacity`; at trace time, shapes.
-        TypeError: an argument of the wrong type or dtype.
+        TypeError: when an array argument is not an array (or convertible to one) of a dtype
+            MPI can carry, `send_counts` is not of an integer dtype, `capacity` is not an
+            int, or `comm` is not an mpi4py intracommunicator or None.
+        ValueError: when `x` is a scalar or has 2**31 rows or more, `send_counts` has not
+            shape `(size,)`, `capacity` is outside `0..2**31 - 1`, or `comm` is
+            `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, when called from inside a host callback,
+            or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when the call runs, on every rank alike: a negative
+            count, counts past the rows of `x`, more rows received than `capacity`, or
+            ranks that disagree on the call.
 
-    Shape: `(rows, *row)` -> `(capacity, *row)`, `(size,)`.
-    Transpose: the reverse exchange (rows past a count get a zero cotangent).
+    Shape:
+        `(rows, *row)` -> `(capacity, *row)`, `(size,)`.
+
+    Transpose:
+        the reverse exchange (rows past a count get a zero cotangent).
     """
     op = "alltoallv"
     c = as_comm(comm, op)
@@ -277,23 +307,37 @@ def alltoallv(x, send_counts, *, capacity: int, comm=None) -> tuple[jax.Array, j
 def allgatherv(x, count, *, capacity: int, comm=None) -> tuple[jax.Array, jax.Array]:
     """Concatenate every rank's first `count` rows of `x`, in rank order, on every rank.
 
+    MPI_Allgatherv with run-time counts in a static capacity. Linear in `x`.
+
     Args:
         x (ArrayLike): shape `(rows, *row)`.
         count (ArrayLike): int scalar, the rows this rank contributes.
         capacity (int): the rows of the result.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's default).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
 
     Returns:
-        `(y, counts)`: `y` of shape `(capacity, *row)`, the contributions back to back
-        from row 0, zeros after; `counts[i]`, rank `i`'s count.
+        (tuple[jax.Array, jax.Array]): `(y, counts)`: `y` of shape `(capacity, *row)` and
+            `x`'s dtype, the contributions back to back from row 0, zeros after; `counts`
+            (int32, shape `(size,)`), `counts[i]` rank `i`'s count.
 
     Raises:
-        ValueError: (when the call runs, on every rank) a negative count, a count past
-            the rows of `x`, or more rows in all than `capacity`; at trace time, shapes.
-        TypeError: an argument of the wrong type or dtype.
+        TypeError: when an array argument is not an array (or convertible to one) of a dtype
+            MPI can carry, `count` is not of an integer dtype, `capacity` is not an int, or
+            `comm` is not an mpi4py intracommunicator or None.
+        ValueError: when `x` is a scalar or has 2**31 rows or more, `count` is not a scalar,
+            `capacity` is outside `0..2**31 - 1`, or `comm` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, when called from inside a host callback,
+            or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when the call runs, on every rank alike: a negative
+            count, a count past the rows of `x`, more rows in all than `capacity`, or
+            ranks that disagree on the call.
 
-    Shape: `(rows, *row)` -> `(capacity, *row)`, `(size,)`.
-    Transpose: each rank's rows' cotangents summed over the ranks, back to that rank.
+    Shape:
+        `(rows, *row)` -> `(capacity, *row)`, `(size,)`.
+
+    Transpose:
+        each rank's rows' cotangents summed over the ranks, back to that rank.
     """
     op = "allgatherv"
     c = as_comm(comm, op)
@@ -307,26 +351,41 @@ def allgatherv(x, count, *, capacity: int, comm=None) -> tuple[jax.Array, jax.Ar
 def gatherv(x, count, *, root: int, capacity: int, comm=None) -> tuple[jax.Array, jax.Array]:
     """Concatenate every rank's first `count` rows of `x`, in rank order, on `root`.
 
+    MPI_Gatherv with run-time counts in a static capacity. Linear in `x`.
+
     Args:
         x (ArrayLike): shape `(rows, *row)`.
         count (ArrayLike): int scalar, the rows this rank contributes.
         root (int): the rank that receives.
         capacity (int): the rows of the root's result.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's default).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
 
     Returns:
-        On `root`, `(y, counts)`: `y` of shape `(capacity, *row)` (the contributions back
-        to back, zeros after), `counts[i]` rank `i`'s count. Elsewhere `(x, zeros)`: `x`
-        unchanged (as `gather` gives it) and no rows received.
+        (tuple[jax.Array, jax.Array]): On `root`, `(y, counts)`: `y` of shape `(capacity,
+            *row)` and `x`'s dtype (the contributions back to back, zeros after),
+            `counts[i]` rank `i`'s count (int32). Elsewhere `(x, zeros)`: `x` unchanged (as
+            `gather` gives it) and no rows received.
 
     Raises:
-        ValueError: (when the call runs, on every rank) a negative count, a count past
-            the rows of `x`, or more rows than `capacity`; at trace time, shapes or a
-            `root` outside the communicator.
-        TypeError: an argument of the wrong type or dtype.
+        TypeError: when an array argument is not an array (or convertible to one) of a dtype
+            MPI can carry, `count` is not of an integer dtype, `root` is not an int,
+            `capacity` is not an int (checked on `root`), or `comm` is not an mpi4py
+            intracommunicator or None.
+        ValueError: when `root` is outside the communicator, `x` is a scalar or has 2**31
+            rows or more, `count` is not a scalar, `capacity` is outside `0..2**31 - 1`
+            (checked on `root`), or `comm` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, when called from inside a host callback,
+            or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when the call runs, on every rank alike: a negative
+            count, a count past the rows of `x`, more rows than `capacity`, or ranks that
+            disagree on the call.
 
-    Shape: `(rows, *row)` -> `(capacity, *row)` on `root`, `(rows, *row)` elsewhere.
-    Transpose: scatterv of the root's cotangent (plus the identity's off the root).
+    Shape:
+        `(rows, *row)` -> `(capacity, *row)` on `root`, `(rows, *row)` elsewhere.
+
+    Transpose:
+        scatterv of the root's cotangent (plus the identity's off the root).
     """
     op = "gatherv"
     c = as_comm(comm, op)
@@ -344,6 +403,8 @@ def gatherv(x, count, *, root: int, capacity: int, comm=None) -> tuple[jax.Array
 def scatterv(x, counts, *, root: int, capacity: int, comm=None) -> tuple[jax.Array, jax.Array]:
     """Send `counts[j]` rows of `root`'s `x` to rank `j` (its blocks back to back).
 
+    MPI_Scatterv with run-time counts in a static capacity. Linear in `x`.
+
     Args:
         x (ArrayLike): on `root`, shape `(rows, *row)`, the blocks for ranks 0, 1, ...
             back to back; elsewhere a template of the row shape and dtype (any rows).
@@ -351,20 +412,32 @@ def scatterv(x, counts, *, root: int, capacity: int, comm=None) -> tuple[jax.Arr
             are used; other ranks may pass anything of that shape).
         root (int): the rank that sends.
         capacity (int): the rows of the result.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's default).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
 
     Returns:
-        `(y, count)`: `y` of shape `(capacity, *row)`, this rank's block from row 0, zeros
-        after; `count`, its rows.
+        (tuple[jax.Array, jax.Array]): `(y, count)`: `y` of shape `(capacity, *row)` and
+            `x`'s dtype, this rank's block from row 0, zeros after; `count` (an int32
+            scalar), its rows.
 
     Raises:
-        ValueError: (when the call runs, on every rank) a negative count, counts past the
-            rows of the root's `x`, or a block larger than `capacity`; at trace time,
-            shapes or a `root` outside the communicator.
-        TypeError: an argument of the wrong type or dtype.
+        TypeError: when an array argument is not an array (or convertible to one) of a dtype
+            MPI can carry, `counts` is not of an integer dtype, `root` or `capacity` is not
+            an int, or `comm` is not an mpi4py intracommunicator or None.
+        ValueError: when `root` is outside the communicator, `x` is a scalar or has 2**31
+            rows or more, `counts` has not shape `(size,)`, `capacity` is outside `0..2**31
+            - 1`, or `comm` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, when called from inside a host callback,
+            or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when the call runs, on every rank alike: a negative
+            count, counts past the rows of the root's `x`, a block larger than
+            `capacity`, or ranks that disagree on the call.
 
-    Shape: `(rows, *row)` on `root`, a template elsewhere -> `(capacity, *row)`, `()`.
-    Transpose: gatherv of the cotangents' first `count` rows onto `root`.
+    Shape:
+        `(rows, *row)` on `root`, a template elsewhere -> `(capacity, *row)`, `()`.
+
+    Transpose:
+        gatherv of the cotangents' first `count` rows onto `root`.
     """
     op = "scatterv"
     c = as_comm(comm, op)

@@ -109,8 +109,52 @@ define(_reduction_spec("allreduce", like(0), _jvp_sum_over_ranks("allreduce"),
 def allreduce(x, op, *, comm=None):
     """Reduce `x` over all ranks with `op`; every rank gets the result.
 
-    Shape: `x` of shape `s` -> shape `s` on every rank.
-    Transpose (SUM): allreduce(SUM) of the cotangents.
+    MPI_Allreduce. Differentiable for SUM (linear), PROD, MAX and MIN (MAX/MIN: the tangent of the
+    ranks that attain the extremum, averaged over ties); logical and bitwise reductions
+    have no derivative.
+
+    Args:
+        x (ArrayLike): this rank's contribution, any shape; a bool, integer, float or
+            complex dtype for which `op` is defined.
+        op (MPI.Op | str): the reduction: `MPI.SUM`, `PROD`, `MAX`, `MIN`, `LAND`, `LOR`,
+            `LXOR`, `BAND`, `BOR`, `BXOR`, or its name (`"sum"`, any case).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+
+    Returns:
+        (jax.Array): The reduction of every rank's `x`, with `x`'s shape and dtype, on every
+            rank.
+
+    Raises:
+        TypeError: when `x` is not an array (or convertible to one) of a dtype MPI can
+            carry, `op` is not defined for that dtype (e.g. MAX on complex, SUM on bool),
+            or `comm` is not an mpi4py intracommunicator or None.
+        ValueError: when `op` is not one of those reductions (or its name), or
+            `comm` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, when called from inside a host
+            callback, or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+            the collective (op, dtype, shape, root, or its place in their sequence).
+
+    Shape:
+        `s` -> `s` on every rank.
+
+    Transpose:
+        (SUM) allreduce(SUM) of the cotangents (the true adjoint of the global linear map).
+
+    Example:
+        ```python
+        import jax
+        import jax.numpy as jnp
+        from mpi4py import MPI
+        import vjpmpi
+
+        r = MPI.COMM_WORLD.Get_rank()
+        y = vjpmpi.allreduce(jnp.full(3, r + 1.0), MPI.SUM)
+        assert (y == 3.0).all()  # at 2 ranks: 1 + 2
+        g = jax.grad(lambda x: vjpmpi.allreduce(x, MPI.SUM).sum())(jnp.ones(3))
+        assert (g == 2.0).all()  # every rank's sum depends on this rank's x
+        ```
     """
     return _reduction("allreduce", x, op, comm)
 
@@ -129,8 +173,39 @@ define(_reduction_spec("reduce", like(0),  # the root's result, on every rank:
 def reduce(x, op, root, *, comm=None):
     """Reduce `x` over all ranks with `op` onto `root`; other ranks get `x` back unchanged.
 
-    Shape: `s` -> `s` on every rank.
-    Transpose (SUM): bcast from `root` (plus the identity on non-root ranks).
+    MPI_Reduce. Differentiable for SUM (linear), PROD, MAX and MIN (MAX/MIN: the tangent of the
+    ranks that attain the extremum, averaged over ties); logical and bitwise reductions
+    have no derivative.
+
+    Args:
+        x (ArrayLike): this rank's contribution, any shape; a bool, integer, float or
+            complex dtype for which `op` is defined.
+        op (MPI.Op | str): the reduction: `MPI.SUM`, `PROD`, `MAX`, `MIN`, `LAND`, `LOR`,
+            `LXOR`, `BAND`, `BOR`, `BXOR`, or its name (`"sum"`, any case).
+        root (int): the rank that receives the reduction.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+
+    Returns:
+        (jax.Array): On `root`, the reduction of every rank's `x`; elsewhere `x` itself.
+            Shape and dtype of `x`.
+
+    Raises:
+        TypeError: when `x` is not an array (or convertible to one) of a dtype MPI can
+            carry, `op` is not defined for that dtype (e.g. MAX on complex, SUM on bool),
+            `root` is not an int, or `comm` is not an mpi4py intracommunicator or None.
+        ValueError: when `op` is not one of those reductions (or its name), `root` is
+            outside the communicator, or `comm` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, when called from inside a host
+            callback, or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+            the collective (op, dtype, shape, root, or its place in their sequence).
+
+    Shape:
+        `s` -> `s` on every rank.
+
+    Transpose:
+        (SUM) bcast from `root` (plus the identity on non-root ranks).
     """
     return _reduction("reduce", x, op, comm, root)
 
@@ -144,8 +219,39 @@ define(_reduction_spec(
 def reduce_scatter(x, op, *, comm=None):
     """Reduce `x` over ranks with `op`; rank `r` gets block `r` of the reduction.
 
-    Shape: `(size, *s)` -> `s`.
-    Transpose (SUM): allgather.
+    MPI_Reduce_scatter_block.
+    Differentiable for SUM (linear), PROD, MAX and MIN (MAX/MIN: the tangent of the
+    ranks that attain the extremum, averaged over ties); logical and bitwise reductions
+    have no derivative.
+
+    Args:
+        x (ArrayLike): the blocks for each rank stacked on a leading axis whose length is
+            the communicator's size; a dtype for which `op` is defined.
+        op (MPI.Op | str): the reduction: `MPI.SUM`, `PROD`, `MAX`, `MIN`, `LAND`, `LOR`,
+            `LXOR`, `BAND`, `BOR`, `BXOR`, or its name (`"sum"`, any case).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+
+    Returns:
+        (jax.Array): This rank's block of the reduction: `x[r]` reduced over the ranks, of
+            shape `x.shape[1:]` and `x`'s dtype.
+
+    Raises:
+        TypeError: when `x` is not an array (or convertible to one) of a dtype MPI can
+            carry, `op` is not defined for that dtype (e.g. MAX on complex, SUM on bool),
+            or `comm` is not an mpi4py intracommunicator or None.
+        ValueError: when `op` is not one of those reductions (or its name), `x` has no
+            leading axis of the communicator's size, or `comm` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, when called from inside a host
+            callback, or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+            the collective (op, dtype, shape, root, or its place in their sequence).
+
+    Shape:
+        `(size, *s)` -> `s`.
+
+    Transpose:
+        (SUM) allgather.
     """
     x = array(x, "reduce_scatter")
     c = as_comm(comm, "reduce_scatter")
@@ -198,8 +304,52 @@ define(_reduction_spec("scan", like(0), _jvp_scan, transpose=_t_scan),
 def scan(x, op, *, comm=None):
     """Inclusive prefix reduction: rank `r` gets `op` over the `x` of ranks `0..r`.
 
-    Shape: `s` -> `s`.
-    Transpose (SUM): inclusive suffix sum over ranks.
+    MPI_Scan. Differentiable for SUM (linear), PROD, MAX and MIN (MAX/MIN: the tangent of the
+    ranks that attain the extremum, averaged over ties); logical and bitwise reductions
+    have no derivative.
+
+    Args:
+        x (ArrayLike): this rank's contribution, any shape; a dtype for which `op` is
+            defined.
+        op (MPI.Op | str): the reduction: `MPI.SUM`, `PROD`, `MAX`, `MIN`, `LAND`, `LOR`,
+            `LXOR`, `BAND`, `BOR`, `BXOR`, or its name (`"sum"`, any case).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+
+    Returns:
+        (jax.Array): On rank `r`, the reduction of the `x` of ranks `0..r`, with `x`'s shape
+            and dtype.
+
+    Raises:
+        TypeError: when `x` is not an array (or convertible to one) of a dtype MPI can
+            carry, `op` is not defined for that dtype (e.g. MAX on complex, SUM on bool),
+            or `comm` is not an mpi4py intracommunicator or None.
+        ValueError: when `op` is not one of those reductions (or its name), or
+            `comm` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, when called from inside a host
+            callback, or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+            the collective (op, dtype, shape, root, or its place in their sequence).
+
+    Shape:
+        `s` -> `s`.
+
+    Transpose:
+        (SUM) inclusive suffix sum over ranks.
+
+    Example:
+        ```python
+        import jax
+        import jax.numpy as jnp
+        from mpi4py import MPI
+        import vjpmpi
+
+        r = MPI.COMM_WORLD.Get_rank()
+        y = vjpmpi.scan(jnp.array([r + 1.0]), MPI.SUM)
+        assert y[0] == [1.0, 3.0][r]  # rank r: 1 + ... + (r + 1)
+        g = jax.grad(lambda x: vjpmpi.scan(x, MPI.SUM).sum())(jnp.ones(1))
+        assert g[0] == 2 - r  # this rank's x enters the sums of ranks r..1
+        ```
     """
     return _reduction("scan", x, op, comm)
 
@@ -207,8 +357,39 @@ def scan(x, op, *, comm=None):
 def exscan(x, op, *, comm=None):
     """Exclusive prefix reduction over ranks `0..r-1`; rank 0 gets the identity of `op`.
 
-    Shape: `s` -> `s`.
-    Transpose (SUM): exclusive suffix sum over ranks.
+    MPI_Exscan (whose rank 0 result MPI leaves undefined; here it is `op`'s identity).
+    Differentiable for SUM (linear), PROD, MAX and MIN (MAX/MIN: the tangent of the
+    ranks that attain the extremum, averaged over ties); logical and bitwise reductions
+    have no derivative.
+
+    Args:
+        x (ArrayLike): this rank's contribution, any shape; a dtype for which `op` is
+            defined.
+        op (MPI.Op | str): the reduction: `MPI.SUM`, `PROD`, `MAX`, `MIN`, `LAND`, `LOR`,
+            `LXOR`, `BAND`, `BOR`, `BXOR`, or its name (`"sum"`, any case).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+
+    Returns:
+        (jax.Array): On rank `r > 0`, the reduction of the `x` of ranks `0..r-1`; on rank 0,
+            the identity of `op`. Shape and dtype of `x`.
+
+    Raises:
+        TypeError: when `x` is not an array (or convertible to one) of a dtype MPI can
+            carry, `op` is not defined for that dtype (e.g. MAX on complex, SUM on bool),
+            or `comm` is not an mpi4py intracommunicator or None.
+        ValueError: when `op` is not one of those reductions (or its name), or
+            `comm` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, when called from inside a host
+            callback, or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+            the collective (op, dtype, shape, root, or its place in their sequence).
+
+    Shape:
+        `s` -> `s`.
+
+    Transpose:
+        (SUM) exclusive suffix sum over ranks.
     """
     return _reduction("exscan", x, op, comm)
 

@@ -37,7 +37,23 @@ _LOCK = threading.Lock()
 
 
 class Pending:
-    """A point-to-point call that `vjpmpi.start` began; `vjpmpi.wait` ends it (once)."""
+    """A point-to-point call that `vjpmpi.start` began; `vjpmpi.wait` ends it (once).
+
+    Made by `vjpmpi.start`, not by the user, and passed as it is to `vjpmpi.wait`; its
+    fields are private (`_name`, `_state`, ...), and its repr shows the op and whether it
+    was waited for (`vjpmpi.Pending(sendrecv, pending)`).
+
+    Attributes:
+        name (str): the op: `"send"`, `"recv"` or `"sendrecv"`.
+        state (list): the started call's state: its operands passed through (in a trace,
+            the start's results, which the wait consumes).
+        params (dict): the start's parameters (the op's primitive and parameters, its
+            slot and communicator).
+        trace (Any): the trace the call was started in (None for an eager start); the
+            wait must be in the same one.
+        eager (bool): whether it was started outside any trace (then the wait blocks
+            until the call has ended).
+    """
 
     def __init__(self, name, state, params, trace=None, eager=False):
         self._name, self._state, self._params = name, state, params
@@ -49,26 +65,57 @@ class Pending:
 
 
 def start(op: Callable, *args: Any, **kwargs: Any) -> Pending:
-    """Begin the point-to-point call `op(*args, **kwargs)` (`vjpmpi.send`, `recv` or
-    `sendrecv`); `vjpmpi.wait` gives its result. As MPI's Isend / Irecv: the messages
-    are posted and the program goes on (the next call, the matching receive say, does
-    not wait for them), and what it computes before the wait may run while they travel
-    (on CPU). Outside `jit` too: the start returns once the call is posted, and the
-    wait blocks until it has ended.
+    """Begin the point-to-point call `op(*args, **kwargs)` (`vjpmpi.send`, `recv` or `sendrecv`).
+
+    `vjpmpi.wait` gives its result. As MPI's Isend / Irecv: the messages are posted and the
+    program goes on (the next call, the matching receive say, does not wait for them), and
+    what it computes before the wait may run while they travel (on CPU). Outside `jit` too:
+    the start returns once the call is posted, and the wait blocks until it has ended.
+    XLA:CPU fuses and schedules freely: put the independent computation between `fence`s.
 
     Args:
-        op: `vjpmpi.send`, `vjpmpi.recv` or `vjpmpi.sendrecv` itself.
-        *args: `op`'s positional arguments.
-        **kwargs: `op`'s keyword arguments (not `status`; a receive names its `source`).
+        op (Callable): `vjpmpi.send`, `vjpmpi.recv` or `vjpmpi.sendrecv` itself.
+        *args (Any): `op`'s positional arguments.
+        **kwargs (Any): `op`'s keyword arguments (not `status`; a receive names its
+            `source`).
 
     Returns:
-        A `Pending` call, for `vjpmpi.wait`.
+        (Pending): A `Pending` call, for `vjpmpi.wait`.
 
     Raises:
-        TypeError: `op` is not one of the three.
-        NotImplementedError: a collective, `status`, or a receive from `MPI.ANY_SOURCE`.
+        TypeError: when `op` is not a vjpmpi function, or for `op`'s own argument errors
+            (an array, dtype, rank, tag or communicator of the wrong type).
+        NotImplementedError: when `op` is another vjpmpi function (a collective, say), a
+            `status` is given, or the receive's `source` is `MPI.ANY_SOURCE`; and, when the
+            program is lowered for GPU, always (a started call runs on CPU only).
+        ValueError: for `op`'s own argument errors (a rank, tag or communicator out of
+            range); and, when the program is lowered, if the start has no `vjpmpi.wait` in
+            the same function (or loop or branch body).
+        RuntimeError: when MPI has been finalized, or when called from inside a host
+            callback.
 
-    Shape: `op`'s, at the wait. Transpose: `op`'s transpose, at the start.
+    Shape:
+        `op`'s, at the wait.
+
+    Transpose:
+        `op`'s transpose, at the start (the backward pass reverses the order of the
+        starts on every rank, whatever the order of the waits).
+
+    Example:
+        ```python
+        import jax
+        import jax.numpy as jnp
+        from mpi4py import MPI
+        import vjpmpi
+
+        r, n = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        def step(u):  # a ring shift, and local work while the message travels
+            p = vjpmpi.start(vjpmpi.sendrecv, u, jnp.zeros_like(u), (r - 1) % n, (r + 1) % n)
+            local = vjpmpi.fence(2 * u)
+            return vjpmpi.wait(p) + local
+        y = jax.jit(step)(jnp.full(3, float(r)))
+        assert (y == (r - 1) % n + 2 * r).all()
+        ```
     """
     prepare_call = next((f for o, f in prepare.items() if op is o), None)
     if prepare_call is None:
@@ -102,21 +149,29 @@ def start(op: Callable, *args: Any, **kwargs: Any) -> Pending:
 
 
 def wait(pending: Pending) -> Any:
-    """End the call that `pending` began: the array received (`recv`, `sendrecv`) or None
-    (`send`). Call it once, in the function that called `vjpmpi.start` (outside `jit`:
-    after it, anywhere; it blocks until the call has ended).
+    """End the call that `pending` began: the array received (`recv`, `sendrecv`) or None (`send`).
+
+    Call it once, in the function that called `vjpmpi.start` (outside `jit`: after it,
+    anywhere; it blocks until the call has ended).
 
     Args:
-        pending: what `vjpmpi.start` returned.
+        pending (Pending): what `vjpmpi.start` returned.
 
     Returns:
-        The op's result: the array received, or None for a send.
+        (jax.Array | None): The op's result: the array received (the template's shape and
+            dtype), or None for a send.
 
     Raises:
-        TypeError: `pending` is not a `Pending`.
-        ValueError: it was waited for already, or started in another function or trace.
+        TypeError: when `pending` is not a `Pending`.
+        ValueError: when it was waited for already, or started in another function or
+            trace (jit, a loop or branch body, a transformation); and, when the program is
+            lowered, if the start is in another function (or loop or branch body).
 
-    Shape: the op's result. Transpose: none (the op's transpose runs at the start).
+    Shape:
+        the op's result.
+
+    Transpose:
+        none (the op's transpose runs at the start).
     """
     if not isinstance(pending, Pending):
         raise TypeError(f"vjpmpi.wait: argument 'pending' must be what vjpmpi.start "

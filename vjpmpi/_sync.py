@@ -22,9 +22,30 @@ define(Collective("barrier", lambda p: []))
 
 
 def barrier(*, comm=None):
-    """Block until every rank of `comm` has reached the barrier. Returns None.
+    """Block until every rank of `comm` has reached the barrier.
 
-    Transpose: barrier (it carries no data).
+    MPI_Barrier. It carries no data, so it has nothing to differentiate.
+
+    Args:
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+
+    Returns:
+        (None): nothing.
+
+    Raises:
+        TypeError: when `comm` is not an mpi4py intracommunicator or None.
+        ValueError: when `comm` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, when called from inside a host
+            callback, or when another thread already runs collectives on `comm`.
+        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+            the collective (its place in their sequence).
+
+    Shape:
+        nothing -> nothing.
+
+    Transpose:
+        barrier (it carries no data).
     """
     bind(PRIMITIVES["barrier"], [], as_comm(comm, "barrier"))
 
@@ -65,11 +86,34 @@ def hold(x, comm):
 
 
 def fence(tree, *, comm=None):
-    """The arrays of `tree` as they are at this point of the program's order: XLA computes
-    them before every later vjpmpi call (a `wait`, say), and what it computes from the
-    result after every earlier one (a `start`); nothing is fused across. No message.
+    """The arrays of `tree` as they are at this point of the program's order.
 
-    Shape: `tree` -> the same tree. Transpose: fence.
+    XLA computes them before every later vjpmpi call (a `wait`, say), and what it computes
+    from the result after every earlier one (a `start`); nothing is fused across. No
+    message: no MPI call is made and the ranks need not agree on it. Use it around the
+    computation that should overlap a started call (`vjpmpi.start`).
+
+    Args:
+        tree (Any): a pytree of arrays (or values convertible to arrays, of dtypes MPI can
+            carry).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+
+    Returns:
+        (Any): The same tree, each leaf the array it held (same shape and dtype).
+
+    Raises:
+        TypeError: when a leaf of `tree` is not an array (or convertible to one) of a dtype
+            MPI can carry, or `comm` is not an mpi4py intracommunicator or None.
+        ValueError: when `comm` is `MPI.COMM_NULL` or freed.
+        RuntimeError: when MPI has been finalized, or when called from inside a host
+            callback.
+
+    Shape:
+        `tree` -> the same tree.
+
+    Transpose:
+        fence.
     """
     c = as_comm(comm, "fence")
     leaves, treedef = jax.tree_util.tree_flatten(tree)

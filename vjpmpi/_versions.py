@@ -16,7 +16,14 @@ JAX_TESTED = ("0.7.1", "0.12.0.1")
 
 
 class JaxVersionWarning(UserWarning):
-    """The installed JAX is outside the range vjpmpi is tested with."""
+    """Emitted at `import vjpmpi` when the installed JAX is outside the tested range.
+
+    A warning, not an exception: the import goes on.
+    vjpmpi relies on JAX internals that change between releases; outside the range it is
+    tested with (the `jax` requirement of its pyproject.toml) it may fail or misbehave in
+    ways its tests would have caught. Install a JAX in that range, or filter the warning
+    (`warnings.filterwarnings("ignore", category=vjpmpi.JaxVersionWarning)`) to run anyway.
+    """
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
