@@ -214,7 +214,7 @@ def async_threshold(nbytes: int | str | None):
         set_async_bytes(before)
 
 
-# Diagnostics, read once at import (see README, "When things go wrong"): the opt-in
+# Diagnostics, read once at import (see docs/guides/troubleshooting.md): the opt-in
 # check and timeout, and the watchdog's warning about a call stuck past WARN_AFTER
 # seconds (on by default; 0: off).
 CHECK = os.environ.get("VJPMPI_CHECK", "").strip() not in ("", "0")

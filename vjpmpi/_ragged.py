@@ -16,7 +16,7 @@ import operator
 import jax
 import jax.numpy as jnp
 
-from ._bind import bind
+from ._bind import bind, refuse_here
 from ._derive import make_primitive
 from ._jax_compat import ShapedArray, Zero, instantiate_zeros, is_undefined_primal
 from ._mpi import as_comm
@@ -357,7 +357,7 @@ def gatherv(x, count, *, root: int, capacity: int, comm=None) -> tuple[jax.Array
         x (ArrayLike): shape `(rows, *row)`.
         count (ArrayLike): int scalar, the rows this rank contributes.
         root (int): the rank that receives.
-        capacity (int): the rows of the root's result.
+        capacity (int): the rows of the root's result (read on `root` only).
         comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
             COMM_WORLD).
 
@@ -369,12 +369,13 @@ def gatherv(x, count, *, root: int, capacity: int, comm=None) -> tuple[jax.Array
 
     Raises:
         TypeError: when an array argument is not an array (or convertible to one) of a dtype
-            MPI can carry, `count` is not of an integer dtype, `root` is not an int,
-            `capacity` is not an int (checked on `root`), or `comm` is not an mpi4py
-            intracommunicator or None.
+            MPI can carry, `count` is not of an integer dtype, `root` is not an int, or
+            `comm` is not an mpi4py intracommunicator or None.
         ValueError: when `root` is outside the communicator, `x` is a scalar or has 2**31
-            rows or more, `count` is not a scalar, `capacity` is outside `0..2**31 - 1`
-            (checked on `root`), or `comm` is `MPI.COMM_NULL` or freed.
+            rows or more, `count` is not a scalar, or `comm` is `MPI.COMM_NULL` or freed;
+            on every rank, when the root's `capacity` is not an int in `0..2**31 - 1` (the
+            root raises at trace time, the ranks that wait in the call for it stop with
+            its message).
         RuntimeError: when MPI has been finalized, when called from inside a host callback,
             or when another thread already runs collectives on `comm`.
         jax.errors.JaxRuntimeError: when the call runs, on every rank alike: a negative
@@ -393,7 +394,12 @@ def gatherv(x, count, *, root: int, capacity: int, comm=None) -> tuple[jax.Array
     x = _rows(x, op, "x")
     k = _ints(count, op, "count", ())
     zero = jnp.zeros(c.size, jnp.int32)
-    rows = _capacity(capacity, op) if c.rank == root else 0
+    rows = 0
+    if c.rank == root:  # (only the root uses it: the ranks that wait stop with its message)
+        try:
+            rows = _capacity(capacity, op)
+        except (TypeError, ValueError) as e:
+            refuse_here(c, op, str(e), root=root)
     out = jnp.zeros((rows, *x.shape[1:]), x.dtype)
     sizes = jnp.where(jnp.arange(c.size) == root, k, 0).astype(jnp.int32)
     y, counts = _exchange(op, x, out, zero, sizes, zero, zero, c, root)

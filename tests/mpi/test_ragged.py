@@ -353,6 +353,21 @@ def test_v_collectives_refuse_counts_past_capacity_or_negative():
     np.testing.assert_array_equal(np.asarray(y), 1)
 
 
+
+def test_gatherv_root_capacity_refusal_reaches_every_rank():
+    """Only the root reads `capacity`: a bad one raises ValueError there at trace time,
+    and the ranks waiting in the gatherv for it stop with the same message (they used to
+    wait for ever); all go on in step."""
+    root = size - 1
+    message = r"vjpmpi\.gatherv: argument 'capacity'=-1 must be in 0\.\.2\*\*31 - 1"
+    with pytest.raises(Exception, match=message) as info:
+        vjpmpi.gatherv(jnp.ones((2, 1)), 1, root=root, capacity=-1 if rank == root else 4)
+    if rank == root:
+        assert info.type is ValueError
+    WORLD.Barrier()
+    y, k = vjpmpi.allgatherv(jnp.ones((2, 1)), 1, capacity=size)  # in step after it
+    np.testing.assert_array_equal(np.asarray(k), 1)
+
 def test_trace_time_errors_name_the_argument():
     x = jnp.ones((4, 2))
     m = jnp.zeros(size, jnp.int32)
