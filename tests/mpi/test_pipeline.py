@@ -320,8 +320,7 @@ class Dense(eqx.Module):
         return x
 
 
-@pytest.mark.skipif(size != 2, reason="at 2 stages (each stage compiles 4 programs; 4 stages "
-                    "measured by hand, docs/guides/layers.md)")
+@pytest.mark.skipif(size != 2, reason="at 2 stages only (each stage compiles 4 programs)")
 def test_compiled_memory_bounded_under_1f1b():
     """XLA's temporary memory on each stage: under 1F1B about the same for 4 and 12
     micro-batches (at most `size` held), under GPipe it grows with them."""
