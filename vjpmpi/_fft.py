@@ -283,8 +283,9 @@ def fftn(x, grid=None, *, norm=None, transposed=True, shape=None):
             they use, and raise together if they differ.
 
     Returns:
-        (Array): this rank's block of the global FFT (complex64, or complex128 for a 64-bit
-            input), in the spectral layout (physical with `transposed=False`).
+        (Array): this rank's block of the global FFT (complex64 from float32 or
+            complex64, complex128 from float64 or complex128), in the spectral layout
+            (physical with `transposed=False`).
 
     Raises:
         TypeError: `grid` is a Cartesian communicator of more than one dimension (wrap
@@ -350,7 +351,8 @@ def ifftn(k, grid=None, *, norm=None, transposed=True, shape=None):
             they use, and raise together if they differ.
 
     Returns:
-        (Array): this rank's block of the global inverse FFT (complex), in the physical layout.
+        (Array): this rank's block of the global inverse FFT (complex), in the physical
+            layout.
 
     Raises:
         TypeError: `grid` is a Cartesian communicator of more than one dimension (wrap
@@ -397,8 +399,9 @@ def rfftn(x, grid=None, *, norm=None, transposed=True, shape=None):
             they use, and raise together if they differ.
 
     Returns:
-        (Array): this rank's complex block (complex64, or complex128 for float64) of the global
-            half spectrum, in the spectral layout (physical with `transposed=False`).
+        (Array): this rank's complex block (complex64, or complex128 from float64) of
+            the global half spectrum, in the spectral layout (physical with
+            `transposed=False`).
 
     Raises:
         TypeError: `grid` is a Cartesian communicator of more than one dimension (wrap
@@ -454,8 +457,8 @@ def irfftn(k, grid=None, *, n=None, norm=None, transposed=True, shape=None):
             they use, and raise together if they differ.
 
     Returns:
-        (Array): this rank's real block (float32, or float64 for complex128) of the global
-            inverse, in the physical layout.
+        (Array): this rank's real block (float32 from complex64 or float32, float64 from
+            complex128 or float64) of the global inverse, in the physical layout.
 
     Raises:
         TypeError: `grid` is a Cartesian communicator of more than one dimension (wrap

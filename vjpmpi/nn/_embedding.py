@@ -30,7 +30,8 @@ class VocabParallelEmbedding(eqx.Module):
             (each rank draws the whole table and keeps its rows); needed unless `dense`
             is given.
         dense (eqx.nn.Embedding | None): a whole table (the same on every rank) to split
-            instead of drawing one (what `from_dense` passes).
+            instead of drawing one (what `from_dense` passes); `num_embeddings` and
+            `embedding_size` must be its own.
 
     Raises:
         ValueError: neither `key` nor `dense` is given, or `num_embeddings` is not

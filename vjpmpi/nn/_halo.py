@@ -87,6 +87,21 @@ class HaloExchange(eqx.Module):
     Transpose:
         the reverse exchange, which adds the halo cotangents back into the cells that
         own them (done automatically by vjpmpi's sendrecv transposes).
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from mpi4py import MPI
+        import vjpmpi, vjpmpi.nn as vnn
+
+        size = MPI.COMM_WORLD.size
+        cart = MPI.COMM_WORLD.Create_cart([size], periods=[True])  # a periodic ring of ranks
+        halo = vnn.HaloExchange(cart, width=1)
+        u = jnp.arange(4.0) + 4 * cart.rank          # this rank's 4 cells of the global field
+        padded = halo(u)                             # (6,): one neighbour's cell on each side
+        want = jnp.take(jnp.arange(4.0 * size), jnp.arange(-1, 5) + 4 * cart.rank, mode="wrap")
+        assert jnp.allclose(padded, want)
+        ```
     """
 
     comm: CommRef = eqx.field(static=True)

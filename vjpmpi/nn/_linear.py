@@ -57,8 +57,8 @@ class _ShardedLinear(eqx.Module):
             layer (eqx.nn.Linear): the whole layer, the same on every rank.
             comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None:
                 vjpmpi's private duplicate of COMM_WORLD).
-            **options (Any): the layer's keyword (`gather_output=` for `ColumnParallelLinear`,
-                `input_is_parallel=` for `RowParallelLinear`).
+            **options (Any): the layer's keyword (`gather_output=` for
+                `ColumnParallelLinear`, `input_is_parallel=` for `RowParallelLinear`).
 
         Returns:
             (ColumnParallelLinear | RowParallelLinear): the layer (of the class it is
@@ -113,7 +113,8 @@ class ColumnParallelLinear(_ShardedLinear):
             (each rank draws the whole layer and keeps its block); needed unless `dense`
             is given.
         dense (eqx.nn.Linear | None): a whole layer (the same on every rank) to split
-            instead of drawing one (what `from_dense` passes).
+            instead of drawing one (what `from_dense` passes); its bias, or none, is kept
+            whatever `use_bias` says, and `in_features`, `out_features` must be its own.
 
     Raises:
         ValueError: neither `key` nor `dense` is given, or `out_features` is not
@@ -212,7 +213,8 @@ class RowParallelLinear(_ShardedLinear):
             (each rank draws the whole layer and keeps its block); needed unless `dense`
             is given.
         dense (eqx.nn.Linear | None): a whole layer (the same on every rank) to split
-            instead of drawing one (what `from_dense` passes).
+            instead of drawing one (what `from_dense` passes); its bias, or none, is kept
+            whatever `use_bias` says, and `in_features`, `out_features` must be its own.
 
     Raises:
         ValueError: neither `key` nor `dense` is given, or `in_features` is not
@@ -256,7 +258,7 @@ class RowParallelLinear(_ShardedLinear):
         return self.weight @ x
 
     def __call__(self, x: Float[Array, " in"], *, key=None) -> Float[Array, " out"]:
-        """Apply the layer: this rank's partial product, summed over the ranks, plus the bias.
+        """Apply the layer: this rank's partial product, summed over the ranks, plus bias.
 
         Args:
             x (Array): this rank's block of the input, `(in_features // size,)`, or with

@@ -57,7 +57,8 @@ class ParallelMLP(eqx.Module):
             needed unless `dense` is given.
         dense (eqx.nn.MLP | None): a whole MLP (the same on every rank) to split instead
             of drawing one (what `from_dense` passes); its sizes, depth, activations and
-            biases are used, the other arguments ignored.
+            biases are used instead of the arguments above (`in_size` to
+            `use_final_bias`).
 
     Raises:
         ValueError: neither `key` nor `dense` is given; the MLP was built with
@@ -155,8 +156,8 @@ class ParallelMLP(eqx.Module):
         return cls(mlp.in_size, mlp.out_size, mlp.width_size, comm=comm, dense=mlp)
 
     def to_dense(self) -> eqx.nn.MLP:
-        """Gather the shards into an `eqx.nn.MLP` on every rank (allgathers: every rank
-        must call it).
+        """Gather the shards into an `eqx.nn.MLP` on every rank (allgathers, where there
+        is a pair: every rank must call it).
 
         Returns:
             The whole `eqx.nn.MLP`, the same on every rank (a depth-0 MLP: the one it

@@ -167,8 +167,7 @@ class ExpertParallelMoE(eqx.Module):
         """Route this rank's tokens to their experts and back.
 
         Args:
-            x (Array): this rank's tokens, shape `(tokens, in_size)` (the number of tokens
-                may differ between ranks).
+            x (Array): this rank's tokens, shape `(tokens, in_size)`.
             key (jax.random.PRNGKey | None): the dropout key, the same on every rank (each
                 token's mask is drawn from it and the token's place in the global batch,
                 so the one-process layer on every rank's tokens in rank order draws the
