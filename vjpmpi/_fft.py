@@ -256,23 +256,70 @@ def _irfftn(k, plan, norm, transposed, last, shape):
     return jnp.fft.irfft(k, n=last, axis=-1, norm=norm)
 
 
-_SHAPE_DOC = """
-    `shape`: the global shape of `x` (optional; needed where the blocks are not all
-    equal: each rank's block is then its `ProcessGrid.block` of it). Without it the
-    global shape is this rank's block times the grid; before any data moves the ranks
-    compare the global shapes they use, and raise together if they differ."""
-
 
 def fftn(x, grid=None, *, norm=None, transposed=True, shape=None):
     """N-D FFT of a block-distributed array (all axes), like `numpy.fft.fftn` on the
     global array.
 
-    Shape: this rank's block in the physical layout (axis i split over grid dimension
-    i) -> its block in the spectral layout (axis 0 whole, axis i + 1 split over grid
-    dimension i), or the physical layout with `transposed=False` (more alltoalls).
-    `grid`: a `vjpmpi.ProcessGrid` (1-D: slab, 2-D: pencil), a communicator (slab) or
-    None. float inputs are promoted to complex.
-    Transpose: the same transform's transpose (an FFT and the reverse alltoalls).
+    Local FFTs along the axes a rank holds whole, alltoall transposes between them.
+    Float inputs are promoted to complex. Works under `jit`, `vmap`, `grad`, `jvp` and
+    `linear_transpose`.
+
+    Args:
+        x (Array): this rank's block of the global array in the physical layout (axis i
+            split over grid dimension i), float32, float64, complex64 or complex128, with
+            more axes than the grid has dimensions.
+        grid (vjpmpi.ProcessGrid | MPI.Intracomm | None): the process grid: a
+            `vjpmpi.ProcessGrid` (1-D: slab, 2-D: pencil), an mpi4py communicator (slab)
+            or None (slab over vjpmpi's private duplicate of COMM_WORLD).
+        norm (str | None): the normalisation, as `numpy.fft`: None or "backward"
+            (the inverse scaled by 1/N), "ortho", "forward".
+        transposed (bool): True: return the spectral layout (axis 0 whole, axis i + 1
+            split over grid dimension i); False: the physical layout (more alltoalls).
+        shape (Sequence[int] | None): the global shape of the input (optional; needed
+            where the blocks are not all equal: each rank's block is then its
+            `ProcessGrid.block` of it). Without it the global shape is this rank's block
+            times the grid; before any data moves the ranks compare the global shapes
+            they use, and raise together if they differ.
+
+    Returns:
+        (Array): this rank's block of the global FFT (complex64 from float32 or
+            complex64, complex128 from float64 or complex128), in the spectral layout
+            (physical with `transposed=False`).
+
+    Raises:
+        TypeError: `grid` is a Cartesian communicator of more than one dimension (wrap
+            it in `vjpmpi.ProcessGrid`), not a grid, communicator or None, or an
+            intercommunicator; the input's dtype is not supported.
+        ValueError: `norm` is not one of None, "backward", "ortho", "forward"; the input
+            has fewer than (grid dimensions + 1) axes; `shape` is not the input's number
+            of positive ints; on a one-rank grid, the refusals below, at once.
+        jax.errors.JaxRuntimeError: when run, on every rank: this rank's block is not
+            its block of `shape`, or (without `shape`) the ranks' global shapes differ
+            (uneven blocks).
+
+    Shape:
+        this rank's block in the physical layout -> its block in the spectral layout
+        (physical with `transposed=False`); slab 2-D: `(N0/P, N1)` -> `(N0, N1/P)`.
+
+    Transpose:
+        the same transform's transpose (an FFT and the reverse alltoalls): the true
+        adjoint of the global transform.
+
+    Example:
+        ```python
+        import jax, jax.numpy as jnp
+        from mpi4py import MPI
+        import vjpmpi
+
+        rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+        x = jax.random.normal(jax.random.PRNGKey(0), (8, 6))  # the global array (here everywhere)
+        n0, n1 = 8 // size, 6 // size
+        block = x[rank * n0:(rank + 1) * n0]          # physical layout: axis 0 split
+        k = vjpmpi.fft.fftn(block)                    # spectral layout: axis 1 split
+        assert jnp.allclose(k, jnp.fft.fftn(x)[:, rank * n1:(rank + 1) * n1], atol=1e-4)
+        assert jnp.allclose(vjpmpi.fft.ifftn(k), block, atol=1e-5)
+        ```
     """
     plan = _plan(grid, "fftn")
     x = _input(x, "fftn", real=False)
@@ -283,9 +330,47 @@ def fftn(x, grid=None, *, norm=None, transposed=True, shape=None):
 def ifftn(k, grid=None, *, norm=None, transposed=True, shape=None):
     """Inverse of `fftn`: `ifftn(fftn(x, g), g) == x`.
 
-    Shape: this rank's block in the spectral layout (physical with `transposed=False`)
-    -> its block in the physical layout.
-    Transpose: the same transform's transpose.
+    Like `numpy.fft.ifftn` on the global array (all axes). Float inputs are promoted to
+    complex.
+
+    Args:
+        k (Array): this rank's block of the global spectrum in the spectral layout
+            (physical with `transposed=False`), float32, float64, complex64 or
+            complex128.
+        grid (vjpmpi.ProcessGrid | MPI.Intracomm | None): the process grid: a
+            `vjpmpi.ProcessGrid` (1-D: slab, 2-D: pencil), an mpi4py communicator (slab)
+            or None (slab over vjpmpi's private duplicate of COMM_WORLD).
+        norm (str | None): the normalisation, as `numpy.fft`: None or "backward"
+            (the inverse scaled by 1/N), "ortho", "forward".
+        transposed (bool): True: `k` is in the spectral layout (as `fftn` returns it by
+            default); False: in the physical layout (more alltoalls).
+        shape (Sequence[int] | None): the global shape of the input (optional; needed
+            where the blocks are not all equal: each rank's block is then its
+            `ProcessGrid.block` of it). Without it the global shape is this rank's block
+            times the grid; before any data moves the ranks compare the global shapes
+            they use, and raise together if they differ.
+
+    Returns:
+        (Array): this rank's block of the global inverse FFT (complex), in the physical
+            layout.
+
+    Raises:
+        TypeError: `grid` is a Cartesian communicator of more than one dimension (wrap
+            it in `vjpmpi.ProcessGrid`), not a grid, communicator or None, or an
+            intercommunicator; the input's dtype is not supported.
+        ValueError: `norm` is not one of None, "backward", "ortho", "forward"; the input
+            has fewer than (grid dimensions + 1) axes; `shape` is not the input's number
+            of positive ints; on a one-rank grid, the refusals below, at once.
+        jax.errors.JaxRuntimeError: when run, on every rank: this rank's block is not
+            its block of `shape`, or (without `shape`) the ranks' global shapes differ
+            (uneven blocks).
+
+    Shape:
+        this rank's block in the spectral layout (physical with `transposed=False`) ->
+        its block in the physical layout.
+
+    Transpose:
+        the same transform's transpose.
     """
     plan = _plan(grid, "ifftn")
     k = _input(k, "ifftn", real=False)
@@ -297,12 +382,48 @@ def rfftn(x, grid=None, *, norm=None, transposed=True, shape=None):
     """N-D FFT of a real block-distributed array, like `numpy.fft.rfftn` (the last axis
     keeps n // 2 + 1 frequencies).
 
-    Shape: this rank's real block in the physical layout -> its complex block in the
-    spectral layout (physical with `transposed=False`); where the spectral layout splits
-    the half-spectrum axis (2-D slab, 3-D pencil) its blocks may be uneven, the first
-    ones one longer (`ProcessGrid.block`).
-    Transpose: the real transform's transpose (an inverse real FFT and the reverse
-    alltoalls).
+    Args:
+        x (Array): this rank's real block (float32 or float64) of the global array in
+            the physical layout.
+        grid (vjpmpi.ProcessGrid | MPI.Intracomm | None): the process grid: a
+            `vjpmpi.ProcessGrid` (1-D: slab, 2-D: pencil), an mpi4py communicator (slab)
+            or None (slab over vjpmpi's private duplicate of COMM_WORLD).
+        norm (str | None): the normalisation, as `numpy.fft`: None or "backward"
+            (the inverse scaled by 1/N), "ortho", "forward".
+        transposed (bool): True: return the spectral layout; False: the physical layout
+            (more alltoalls).
+        shape (Sequence[int] | None): the global shape of the input (optional; needed
+            where the blocks are not all equal: each rank's block is then its
+            `ProcessGrid.block` of it). Without it the global shape is this rank's block
+            times the grid; before any data moves the ranks compare the global shapes
+            they use, and raise together if they differ.
+
+    Returns:
+        (Array): this rank's complex block (complex64, or complex128 from float64) of
+            the global half spectrum, in the spectral layout (physical with
+            `transposed=False`).
+
+    Raises:
+        TypeError: `grid` is a Cartesian communicator of more than one dimension (wrap
+            it in `vjpmpi.ProcessGrid`), not a grid, communicator or None, or an
+            intercommunicator; `x` is not float32 or float64.
+        ValueError: `norm` is not one of None, "backward", "ortho", "forward"; the input
+            has fewer than (grid dimensions + 1) axes; `shape` is not the input's number
+            of positive ints; the spectral layout splits the half-spectrum axis and it
+            has fewer frequencies than the grid dimension that splits it; on a
+            one-rank grid, the refusals below, at once.
+        jax.errors.JaxRuntimeError: when run, on every rank: this rank's block is not
+            its block of `shape`, or (without `shape`) the ranks' global shapes differ
+            (uneven blocks).
+
+    Shape:
+        this rank's real block in the physical layout -> its complex block in the
+        spectral layout (physical with `transposed=False`); where the spectral layout
+        splits the half-spectrum axis (2-D slab, 3-D pencil) its blocks may be uneven,
+        the first ones one longer (`ProcessGrid.block`).
+
+    Transpose:
+        the real transform's transpose (an inverse real FFT and the reverse alltoalls).
     """
     plan = _plan(grid, "rfftn")
     x = _input(x, "rfftn", real=True)
@@ -313,11 +434,52 @@ def rfftn(x, grid=None, *, norm=None, transposed=True, shape=None):
 def irfftn(k, grid=None, *, n=None, norm=None, transposed=True, shape=None):
     """Inverse of `rfftn`: `irfftn(rfftn(x, g), g, n=x's last global size) == x`.
 
-    Shape: this rank's complex block in the spectral layout (physical with
-    `transposed=False`) -> its real block in the physical layout; `n` is the global
-    length of the output's last axis (default 2 * (frequencies - 1); needed where the
-    layout splits the half spectrum and `shape` is not given).
-    Transpose: the real inverse transform's transpose.
+    Like `numpy.fft.irfftn` on the global half spectrum.
+
+    Args:
+        k (Array): this rank's block of the global half spectrum (complex64 or
+            complex128; floats are promoted) in the spectral layout (physical with
+            `transposed=False`).
+        grid (vjpmpi.ProcessGrid | MPI.Intracomm | None): the process grid: a
+            `vjpmpi.ProcessGrid` (1-D: slab, 2-D: pencil), an mpi4py communicator (slab)
+            or None (slab over vjpmpi's private duplicate of COMM_WORLD).
+        n (int | None): the global length of the output's last axis (default
+            2 * (frequencies - 1); needed where the layout splits the half spectrum and
+            `shape` is not given).
+        norm (str | None): the normalisation, as `numpy.fft`: None or "backward"
+            (the inverse scaled by 1/N), "ortho", "forward".
+        transposed (bool): True: `k` is in the spectral layout (as `rfftn` returns it by
+            default); False: in the physical layout (more alltoalls).
+        shape (Sequence[int] | None): the global shape of the input (optional; needed
+            where the blocks are not all equal: each rank's block is then its
+            `ProcessGrid.block` of it). Without it the global shape is this rank's block
+            times the grid; before any data moves the ranks compare the global shapes
+            they use, and raise together if they differ.
+
+    Returns:
+        (Array): this rank's real block (float32 from complex64 or float32, float64 from
+            complex128 or float64) of the global inverse, in the physical layout.
+
+    Raises:
+        TypeError: `grid` is a Cartesian communicator of more than one dimension (wrap
+            it in `vjpmpi.ProcessGrid`), not a grid, communicator or None, or an
+            intercommunicator; the input's dtype is not supported.
+        ValueError: `norm` is not one of None, "backward", "ortho", "forward"; the input
+            has fewer than (grid dimensions + 1) axes; `shape` is not the input's number
+            of positive ints; `n` is not a positive int, or missing where the layout
+            splits the half spectrum and `shape` is not given, or `n // 2 + 1` is not
+            the number of frequencies on the last axis; on a one-rank grid, the
+            refusals below, at once.
+        jax.errors.JaxRuntimeError: when run, on every rank: this rank's block is not
+            its block of `shape`, or (without `shape`) the ranks' global shapes differ
+            (uneven blocks).
+
+    Shape:
+        this rank's complex block in the spectral layout (physical with
+        `transposed=False`) -> its real block in the physical layout.
+
+    Transpose:
+        the real inverse transform's transpose.
     """
     plan = _plan(grid, "irfftn")
     k = _input(k, "irfftn", real=False)
@@ -325,7 +487,3 @@ def irfftn(k, grid=None, *, n=None, norm=None, transposed=True, shape=None):
     if n is not None and (not isinstance(n, (int, np.integer)) or n < 1):
         raise ValueError(f"vjpmpi.fft.irfftn: argument 'n' must be a positive int, got {n!r}")
     return _irfftn(k, plan, norm, transposed, None if n is None else int(n), shape)
-
-
-for _f in (fftn, ifftn, rfftn, irfftn):
-    _f.__doc__ = _f.__doc__.rstrip() + "\n" + _SHAPE_DOC

@@ -34,12 +34,40 @@ class ParallelMultiheadAttention(eqx.Module):
     """`eqx.nn.MultiheadAttention` with its heads split over `comm`.
 
     Same call and results as `eqx.nn.MultiheadAttention` (2-D and per-head 3-D masks,
-    dropout with the same keys, `process_heads`): replicated `(q_seq, query_size)`,
-    `(kv_seq, key_size)`, `(kv_seq, value_size)` -> replicated `(q_seq, output_size)`.
-    Each rank holds `num_heads / size` heads: column-parallel query/key/value
-    projections, a row-parallel output projection (one `sum_replicated`).
-    Transpose: one allreduce backward per distinct input array, so self-attention
-    (`query`, `key_` and `value` the same array) has one, as Megatron-LM's fused QKV.
+    dropout with the same keys, `process_heads`). Each rank holds `num_heads / size`
+    heads (rank `r` heads `r * num_heads // size` onwards): column-parallel
+    query/key/value projections, a row-parallel output projection (one
+    `sum_replicated`).
+
+    Args:
+        num_heads (int): the number of heads (all ranks together), divisible by the
+            communicator's size.
+        query_size (int): the query's feature size.
+        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator the heads are
+            split over (None: vjpmpi's private duplicate of COMM_WORLD).
+        key (jax.random.PRNGKey | None): the initialisation key, the same on every rank
+            (each rank draws the whole layer and keeps its heads); needed unless `dense`
+            is given.
+        dense (eqx.nn.MultiheadAttention | None): a whole layer (the same on every rank)
+            to split instead of drawing one (what `from_dense` passes); then `num_heads`,
+            `query_size` and `**kwargs` are taken from it.
+        **kwargs (Any): `eqx.nn.MultiheadAttention`'s other arguments (`key_size`,
+            `value_size`, `output_size`, `qk_size`, `vo_size`, the `use_*_bias` flags,
+            `dropout_p`, `inference`, `dtype`), used when drawing from `key`.
+
+    Raises:
+        ValueError: neither `key` nor `dense` is given, or `num_heads` is not divisible
+            by the communicator's size.
+        TypeError: `comm` is not an mpi4py intracommunicator or None.
+
+    Shape:
+        replicated `(q_seq, query_size)`, `(kv_seq, key_size)`, `(kv_seq, value_size)`
+        -> replicated `(q_seq, output_size)`.
+
+    Transpose:
+        one allreduce backward per distinct input array, so self-attention (`query`,
+        `key_` and `value` the same array) has one, as Megatron-LM's fused QKV; the
+        output projection's sum is one allreduce forward, none backward.
     """
 
     query_proj: ColumnParallelLinear
@@ -79,11 +107,30 @@ class ParallelMultiheadAttention(eqx.Module):
 
     @classmethod
     def from_dense(cls, layer: eqx.nn.MultiheadAttention, comm=None):
-        """Split the heads of an `eqx.nn.MultiheadAttention` (the same on every rank)."""
+        """Split the heads of an `eqx.nn.MultiheadAttention` (the same on every rank).
+
+        Args:
+            layer (eqx.nn.MultiheadAttention): the whole layer, the same on every rank.
+            comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None:
+                vjpmpi's private duplicate of COMM_WORLD).
+
+        Returns:
+            (ParallelMultiheadAttention): the layer holding this rank's heads of `layer`.
+
+        Raises:
+            ValueError: `layer.num_heads` is not divisible by the communicator's size.
+            TypeError: `comm` is not an mpi4py intracommunicator or None.
+        """
         return cls(layer.num_heads, layer.query_size, comm=comm, dense=layer)
 
     def to_dense(self) -> eqx.nn.MultiheadAttention:
-        """Gather the heads back into an `eqx.nn.MultiheadAttention` on every rank."""
+        """Gather the heads back into an `eqx.nn.MultiheadAttention` on every rank
+        (allgathers: every rank must call it).
+
+        Returns:
+            The whole `eqx.nn.MultiheadAttention` (its dropout rate and `inference` flag
+                kept), the same on every rank.
+        """
         projs = [getattr(self, name).to_dense() for name in _PROJECTIONS]
         dense = eqx.nn.MultiheadAttention(
             self.num_heads, self.query_size, self.key_size, self.value_size, self.output_size,
@@ -99,6 +146,32 @@ class ParallelMultiheadAttention(eqx.Module):
                  *, key: PRNGKeyArray | None = None, inference: bool | None = None,
                  deterministic: bool | None = None, process_heads=None
                  ) -> Float[Array, "q_seq o_size"]:
+        """Attention of replicated inputs, as `eqx.nn.MultiheadAttention.__call__`.
+
+        Args:
+            query (Array): `(q_seq, query_size)`, the same on every rank.
+            key_ (Array): `(kv_seq, key_size)`, the same on every rank.
+            value (Array): `(kv_seq, value_size)`, the same on every rank.
+            mask (Array | None): boolean, `(q_seq, kv_seq)` or per head
+                `(num_heads, q_seq, kv_seq)` (all heads: each rank takes its own);
+                False where attention is masked out.
+            key (jax.random.PRNGKey | None): the dropout key, the same on every rank
+                (split per head as the dense layer splits it).
+            inference (bool | None): no dropout when True (None: the layer's own flag).
+            deterministic (bool | None): equinox's older name of `inference`; when given
+                it overrides `inference`.
+            process_heads (Callable | None): `process_heads(q, k, v)` on this rank's
+                heads, `(seq, num_heads // size, qk_size)` for `q` and `k` and
+                `(seq, num_heads // size, vo_size)` for `v`, returning arrays of the same
+                shapes (e.g. rotary embeddings).
+
+        Returns:
+            The output, `(q_seq, output_size)`, the same on every rank.
+
+        Raises:
+            ValueError: `key_` and `value` of different sequence lengths, a `mask` of
+                another shape, or a `process_heads` that changes the heads' shapes.
+        """
         if deterministic is not None:
             inference = deterministic
         c = self.comm
@@ -114,12 +187,35 @@ class ParallelMultiheadAttention(eqx.Module):
                           *, key: PRNGKeyArray | None = None, inference: bool | None = None,
                           process_heads=None) -> Float[Array, "seq_block o_size"]:
         """Self-attention on a sequence split over the ranks (Megatron-LM's sequence
-        parallelism): the blocks are allgathered before the projections and the output
-        projection's terms reduce-scattered, instead of allreduced. Equal to this rank's
+        parallelism).
+
+        The blocks are allgathered before the projections and the output projection's
+        terms reduce-scattered, instead of allreduced (the output bias, replicated, is
+        added to every block: its gradient sums over the ranks). Equal to this rank's
         block of `self(full, full, full, mask, key=key)`.
 
-        Shape: `(seq / size, query_size)` -> `(seq / size, output_size)`.
-        Transpose: the allgather reduce-scatters backward, the reduce_scatter allgathers.
+        Args:
+            x (Array): this rank's block of the sequence, `(seq // size, query_size)`
+                (block `rank`, in rank order).
+            mask (Array | None): boolean, over the whole sequence: `(seq, seq)` or per
+                head `(num_heads, seq, seq)`.
+            key (jax.random.PRNGKey | None): the dropout key, the same on every rank.
+            inference (bool | None): no dropout when True (None: the layer's own flag).
+            process_heads (Callable | None): as in `__call__`, on the whole sequence's
+                heads of this rank.
+
+        Returns:
+            This rank's block of the output, `(seq // size, output_size)`.
+
+        Raises:
+            ValueError: a `mask` of another shape, or a `process_heads` that changes the
+                heads' shapes.
+
+        Shape:
+            `(seq // size, query_size)` -> `(seq // size, output_size)` on each rank.
+
+        Transpose:
+            the allgather reduce-scatters backward, the reduce_scatter allgathers.
         """
         full = gather_sequence(x, self.comm)
         attn = self._attend(full, full, full, mask, key, inference, process_heads)

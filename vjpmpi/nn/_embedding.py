@@ -14,9 +14,36 @@ from ._shard import block, comm_ref, gather_blocks
 class VocabParallelEmbedding(eqx.Module):
     """`eqx.nn.Embedding` with the vocabulary (rows) split over `comm`.
 
-    Shape: replicated token ids `Int[Array, "..."]` -> replicated `Float[Array, "... dim"]`.
-    Each rank looks up the ids in its range (zeros elsewhere) and the results are
-    summed with `sum_replicated`; an id's gradient lands on the rank that owns it.
+    Rank `r` holds rows `r * num_embeddings // size` to
+    `(r + 1) * num_embeddings // size` of the table. Each rank looks up the ids in its
+    range (zeros elsewhere) and the results are summed with `sum_replicated`; an id's
+    gradient lands on the rank that owns it. Built from `key`, it holds the rows of
+    `eqx.nn.Embedding(num_embeddings, embedding_size, key=key)`.
+
+    Args:
+        num_embeddings (int): the vocabulary's size (all ranks together), divisible by
+            the communicator's size.
+        embedding_size (int): the size of each embedding vector.
+        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator the vocabulary
+            is split over (None: vjpmpi's private duplicate of COMM_WORLD).
+        key (jax.random.PRNGKey | None): the initialisation key, the same on every rank
+            (each rank draws the whole table and keeps its rows); needed unless `dense`
+            is given.
+        dense (eqx.nn.Embedding | None): a whole table (the same on every rank) to split
+            instead of drawing one (what `from_dense` passes); `num_embeddings` and
+            `embedding_size` must be its own.
+
+    Raises:
+        ValueError: neither `key` nor `dense` is given, or `num_embeddings` is not
+            divisible by the communicator's size.
+        TypeError: `comm` is not an mpi4py intracommunicator or None.
+
+    Shape:
+        replicated token ids `(...)` -> replicated `(..., embedding_size)`.
+
+    Transpose:
+        the lookups are summed with `sum_replicated`: one allreduce forward, none
+        backward (each rank's rows get the cotangents of the ids it owns).
     """
 
     weight: Float[Array, "vocab_block dim"]
@@ -37,14 +64,45 @@ class VocabParallelEmbedding(eqx.Module):
 
     @classmethod
     def from_dense(cls, layer: eqx.nn.Embedding, comm=None):
-        """Slice a standard `eqx.nn.Embedding` (same on every rank) into this rank's rows."""
+        """Slice a standard `eqx.nn.Embedding` (same on every rank) into this rank's rows.
+
+        Args:
+            layer (eqx.nn.Embedding): the whole table, the same on every rank.
+            comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None:
+                vjpmpi's private duplicate of COMM_WORLD).
+
+        Returns:
+            (VocabParallelEmbedding): the layer holding this rank's rows of `layer`.
+
+        Raises:
+            ValueError: `layer.num_embeddings` is not divisible by the communicator's size.
+            TypeError: `comm` is not an mpi4py intracommunicator or None.
+        """
         return cls(layer.num_embeddings, layer.embedding_size, comm=comm, dense=layer)
 
     def to_dense(self) -> eqx.nn.Embedding:
+        """Gather the rows into an `eqx.nn.Embedding` on every rank (an allgather: every
+        rank must call it).
+
+        Returns:
+            The whole `eqx.nn.Embedding`, `(num_embeddings, embedding_size)`, the same on
+                every rank.
+        """
         weight = gather_blocks(self.weight, self.comm, 0)
         return eqx.nn.Embedding(weight=weight)
 
     def __call__(self, ids: Int[Array, "..."], *, key=None) -> Float[Array, "... dim"]:
+        """Look up token ids, the same on every rank.
+
+        Args:
+            ids (Array): integer token ids of any shape `(...)`, in the whole vocabulary,
+                the same on every rank.
+            key (jax.random.PRNGKey | None): unused (equinox's layer signature).
+
+        Returns:
+            The embeddings, `(..., embedding_size)`, the same on every rank (an id that
+                no rank holds, outside `[0, num_embeddings)`, gives zeros).
+        """
         start, stop = block(self.num_embeddings, self.comm, "VocabParallelEmbedding",
                             "num_embeddings")
         mine = (ids >= start) & (ids < stop)

@@ -61,15 +61,47 @@ def _exchange(u, *, comm, width, neighbours, ndim, invalid=None):
 class HaloExchange(eqx.Module):
     """Halo exchange of a block-decomposed field over a Cartesian communicator.
 
-    Shape: this rank's block `(..., n0)` (1-D cart) or `(..., n0, n1)` (2-D cart) ->
-    `(..., n0 + 2*width)` / `(..., n0 + 2*width, n1 + 2*width)`; the trailing axes are
-    the decomposed ones (leading axes, e.g. channels, are carried along). Halo cells
-    come from the neighbours given by `cart.Shift(axis, 1)`; at a non-periodic
-    boundary (neighbour MPI.PROC_NULL) they are zero. Corners are filled (axis 1 is
-    exchanged after axis 0, on the axis-0-padded array). `cart`: an mpi4py Cartesian
-    communicator or a `vjpmpi.ProcessGrid` (whose `block` gives each rank's block).
-    Transpose: the reverse exchange, which adds the halo cotangents back into the
-    cells that own them (done automatically by vjpmpi's sendrecv transposes).
+    Pads each decomposed axis of this rank's block with `width` cells from each
+    neighbour. Halo cells come from the neighbours given by `cart.Shift(axis, 1)`; at a
+    non-periodic boundary (neighbour MPI.PROC_NULL) they are zero. Corners are filled
+    (axis 1 is exchanged after axis 0, on the axis-0-padded array). A block smaller
+    than `width` on some rank ends the job (`MPI_Abort`) with a message when the
+    exchange runs: its neighbours, which wait for its halos, cannot check it.
+
+    Args:
+        cart (MPI.Cartcomm | vjpmpi.ProcessGrid): an mpi4py Cartesian communicator of 1
+            or 2 dimensions, or a `vjpmpi.ProcessGrid` (whose `block` gives each rank's
+            block).
+        width (int): the halo's width in cells, >= 0 (0: the identity).
+
+    Raises:
+        TypeError: `cart` is neither an mpi4py Cartesian communicator nor a
+            `vjpmpi.ProcessGrid`.
+        ValueError: `cart` has other than 1 or 2 dimensions, or `width` < 0.
+
+    Shape:
+        this rank's block `(..., n0)` (1-D cart) or `(..., n0, n1)` (2-D cart) ->
+        `(..., n0 + 2*width)` / `(..., n0 + 2*width, n1 + 2*width)`; the trailing axes
+        are the decomposed ones (leading axes, e.g. channels, are carried along).
+
+    Transpose:
+        the reverse exchange, which adds the halo cotangents back into the cells that
+        own them (done automatically by vjpmpi's sendrecv transposes).
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from mpi4py import MPI
+        import vjpmpi, vjpmpi.nn as vnn
+
+        size = MPI.COMM_WORLD.size
+        cart = MPI.COMM_WORLD.Create_cart([size], periods=[True])  # a periodic ring of ranks
+        halo = vnn.HaloExchange(cart, width=1)
+        u = jnp.arange(4.0) + 4 * cart.rank          # this rank's 4 cells of the global field
+        padded = halo(u)                             # (6,): one neighbour's cell on each side
+        want = jnp.take(jnp.arange(4.0 * size), jnp.arange(-1, 5) + 4 * cart.rank, mode="wrap")
+        assert jnp.allclose(padded, want)
+        ```
     """
 
     comm: CommRef = eqx.field(static=True)
@@ -87,6 +119,20 @@ class HaloExchange(eqx.Module):
         self.width = width
 
     def __call__(self, u: Float[Array, "..."], *, key=None) -> Float[Array, "..."]:
+        """Pad this rank's block with its neighbours' cells.
+
+        Args:
+            u (Array): this rank's block, the decomposed axes last: `(..., n0)` or
+                `(..., n0, n1)`, each at least `width` long.
+            key (jax.random.PRNGKey | None): unused (equinox's layer signature).
+
+        Returns:
+            The padded block, `(..., n0 + 2*width)` or
+                `(..., n0 + 2*width, n1 + 2*width)`.
+
+        Raises:
+            ValueError: `u` has fewer axes than the communicator has dimensions.
+        """
         nd = len(self.dims)
         if u.ndim < nd:
             raise ValueError(
@@ -111,13 +157,32 @@ class HaloExchange(eqx.Module):
 class HaloConv(eqx.Module):
     """Domain-decomposed `eqx.nn.Conv` (stride 1, odd kernel) over a Cartesian communicator.
 
-    Shape: this rank's block `(in_channels, n0[, n1])` -> `(out_channels, n0[, n1])`;
-    the blocks together equal the single-process conv of the global field with 'SAME'
-    padding (circular where the cart is periodic, zeros where it is not). The conv
-    weights are replicated: each rank's weight gradient holds its own block's
+    A `HaloExchange` of width `(kernel_size - 1) // 2`, then the conv on the padded
+    block: the blocks together equal the single-process conv of the global field with
+    'SAME' padding (circular where the cart is periodic, zeros where it is not). The
+    conv weights are replicated: each rank's weight gradient holds its own block's
     contribution (sum them over ranks, e.g. with an allreduce, for the global gradient).
-    Transpose: the conv's transpose, then the reverse halo exchange, which adds the
-    halo cotangents back into the owning cells (vjpmpi's sendrecv transposes).
+
+    Args:
+        conv (eqx.nn.Conv): the conv, the same on every rank, built with padding 0
+            ('VALID'), stride 1, dilation 1, an odd kernel size equal on every axis and
+            as many spatial dimensions as `cart`.
+        cart (MPI.Cartcomm | vjpmpi.ProcessGrid): an mpi4py Cartesian communicator of 1
+            or 2 dimensions, or a `vjpmpi.ProcessGrid`.
+
+    Raises:
+        TypeError: `cart` is neither an mpi4py Cartesian communicator nor a
+            `vjpmpi.ProcessGrid`.
+        ValueError: `cart` has other than 1 or 2 dimensions, or `conv` has another
+            number of spatial dimensions, a kernel size that is even or differs between
+            axes, a stride or dilation other than 1, or a padding other than 0.
+
+    Shape:
+        this rank's block `(in_channels, n0[, n1])` -> `(out_channels, n0[, n1])`.
+
+    Transpose:
+        the conv's transpose, then the reverse halo exchange, which adds the halo
+        cotangents back into the owning cells (vjpmpi's sendrecv transposes).
     """
 
     conv: eqx.nn.Conv
@@ -147,10 +212,36 @@ class HaloConv(eqx.Module):
 
     @classmethod
     def from_dense(cls, conv: eqx.nn.Conv, cart) -> HaloConv:
-        """Wrap a standard `eqx.nn.Conv` built with padding 0 (same weights on every rank)."""
+        """Wrap a standard `eqx.nn.Conv` built with padding 0 (same weights on every rank).
+
+        Args:
+            conv (eqx.nn.Conv): the conv, as the constructor takes it.
+            cart (MPI.Cartcomm | vjpmpi.ProcessGrid): the Cartesian communicator or grid.
+
+        Returns:
+            `HaloConv(conv, cart)`.
+
+        Raises:
+            TypeError: as the constructor.
+            ValueError: as the constructor.
+        """
         return cls(conv, cart)
 
     def __call__(self, u: Float[Array, "c ..."], *, key=None) -> Float[Array, "o ..."]:
+        """The conv of this rank's block, with its neighbours' cells as the halo.
+
+        Args:
+            u (Array): this rank's block, `(in_channels, n0[, n1])`, each spatial axis at
+                least the halo's width long.
+            key (jax.random.PRNGKey | None): unused (equinox's layer signature).
+
+        Returns:
+            This rank's block of the conv, `(out_channels, n0[, n1])`.
+
+        Raises:
+            ValueError: `u` is not `(channels, *block)` with one axis per dimension of
+                the communicator.
+        """
         nd = len(self.halo.dims)
         if u.ndim != nd + 1:
             raise ValueError(

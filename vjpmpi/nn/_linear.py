@@ -51,8 +51,23 @@ class _ShardedLinear(eqx.Module):
 
     @classmethod
     def from_dense(cls, layer: eqx.nn.Linear, comm=None, **options):
-        """Slice a standard `eqx.nn.Linear` (the same on every rank) into this rank's shard;
-        `options`: the layer's keyword (`gather_output=` / `input_is_parallel=`)."""
+        """Slice a standard `eqx.nn.Linear` (the same on every rank) into this rank's shard.
+
+        Args:
+            layer (eqx.nn.Linear): the whole layer, the same on every rank.
+            comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None:
+                vjpmpi's private duplicate of COMM_WORLD).
+            **options (Any): the layer's keyword (`gather_output=` for
+                `ColumnParallelLinear`, `input_is_parallel=` for `RowParallelLinear`).
+
+        Returns:
+            (ColumnParallelLinear | RowParallelLinear): the layer (of the class it is
+                called on) holding this rank's shard of `layer`'s weight and bias.
+
+        Raises:
+            ValueError: the split feature axis is not divisible by the communicator's size.
+            TypeError: `comm` is not an mpi4py intracommunicator or None.
+        """
         return cls(layer.in_features, layer.out_features, layer.bias is not None, comm=comm,
                    dense=layer, **options)
 
@@ -63,7 +78,13 @@ class _ShardedLinear(eqx.Module):
         return block(n, self.comm, type(self).__name__, what)
 
     def to_dense(self) -> eqx.nn.Linear:
-        """Gather the shards into an `eqx.nn.Linear` on every rank."""
+        """Gather the shards into an `eqx.nn.Linear` on every rank (an allgather: every
+        rank must call it).
+
+        Returns:
+            The whole `eqx.nn.Linear` (`(out_features, in_features)` weight), the same on
+                every rank.
+        """
         bias = self.bias
         if bias is not None and self._axis == 0:
             bias = gather_blocks(bias, self.comm, 0)
@@ -73,12 +94,55 @@ class _ShardedLinear(eqx.Module):
 class ColumnParallelLinear(_ShardedLinear):
     """`eqx.nn.Linear` with the weight split by output features over `comm`.
 
-    Shape: replicated `Float[Array, "in"]` -> this rank's block `Float[Array, "out/size"]`,
-    or with `gather_output=True` the replicated `Float[Array, "out"]`.
-    Transpose: the input is marked with `use_replicated` (its gradient sums all ranks'
-    contributions); the gathered output's cotangent is taken as replicated.
-    Initialising from `key` gives the same global weights as `eqx.nn.Linear(key=key)`
-    on any number of ranks.
+    Rank `r` holds rows `r * out_features // size` to `(r + 1) * out_features // size`
+    of the weight (and that block of the bias) and computes that block of the output
+    from the replicated input. Initialising from `key` gives the same global weights as
+    `eqx.nn.Linear(key=key)` on any number of ranks. The first layer of a Megatron-LM
+    pair; `RowParallelLinear` (with `input_is_parallel=True`) takes its block as it is.
+
+    Args:
+        in_features (int): the input's size.
+        out_features (int): the output's size (all ranks together), divisible by the
+            communicator's size.
+        use_bias (bool): whether the layer has a bias (split with the output features).
+        gather_output (bool): return the whole replicated output (False: this rank's
+            block of it).
+        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator the weight is
+            split over (None: vjpmpi's private duplicate of COMM_WORLD).
+        key (jax.random.PRNGKey | None): the initialisation key, the same on every rank
+            (each rank draws the whole layer and keeps its block); needed unless `dense`
+            is given.
+        dense (eqx.nn.Linear | None): a whole layer (the same on every rank) to split
+            instead of drawing one (what `from_dense` passes); its bias, or none, is kept
+            whatever `use_bias` says, and `in_features`, `out_features` must be its own.
+
+    Raises:
+        ValueError: neither `key` nor `dense` is given, or `out_features` is not
+            divisible by the communicator's size.
+        TypeError: `comm` is not an mpi4py intracommunicator or None.
+
+    Shape:
+        replicated `(in_features,)` -> this rank's block `(out_features // size,)`, or with
+        `gather_output=True` the replicated `(out_features,)`.
+
+    Transpose:
+        the input is marked with `use_replicated`: the backward pass allreduces the
+        input cotangent (its gradient sums all ranks' contributions); the gathered
+        output's cotangent is taken as replicated (each rank keeps its slice of it).
+
+    Example:
+        ```python
+        import jax, jax.numpy as jnp
+        import vjpmpi, vjpmpi.nn as vnn
+
+        k1, k2 = jax.random.split(jax.random.PRNGKey(0))  # the same keys on every rank
+        col = vnn.ColumnParallelLinear(8, 16, key=k1)  # this rank: 16 // size outputs
+        row = vnn.RowParallelLinear(16, 8, key=k2)     # takes that block, sums over ranks
+        x = jnp.arange(8.0)
+        y = row(jax.nn.relu(col(x)))                   # replicated: the same on every rank
+        dense_col, dense_row = col.to_dense(), row.to_dense()
+        assert jnp.allclose(y, dense_row(jax.nn.relu(dense_col(x))), atol=1e-5)
+        ```
     """
 
     gather_output: bool = eqx.field(static=True)
@@ -91,11 +155,32 @@ class ColumnParallelLinear(_ShardedLinear):
 
     def local(self, x: Float[Array, " in"]) -> Float[Array, " out_block"]:
         """This rank's block of the output, from an input already marked with
-        `use_replicated` (layers sharing one input mark it once: one backward allreduce)."""
+        `use_replicated` (layers sharing one input mark it once: one backward allreduce).
+
+        No communication, forward or backward: `weight @ x + bias` on this rank's block.
+
+        Args:
+            x (Array): the input, `(in_features,)`, already marked with `use_replicated`
+                (or whose gradient is summed over the ranks otherwise).
+
+        Returns:
+            This rank's block of the output, `(out_features // size,)`.
+        """
         y = self.weight @ x
         return y if self.bias is None else y + self.bias
 
     def __call__(self, x: Float[Array, " in"], *, key=None) -> Float[Array, " out"]:
+        """Apply the layer to a replicated input.
+
+        Args:
+            x (Array): the input, `(in_features,)`, the same on every rank (`jax.vmap`
+                for a batch).
+            key (jax.random.PRNGKey | None): unused (equinox's layer signature).
+
+        Returns:
+            This rank's block of the output, `(out_features // size,)`, or with
+                `gather_output=True` the whole output `(out_features,)` on every rank.
+        """
         y = self.local(use_replicated(x, comm=self.comm))
         if not self.gather_output:
             return y
@@ -109,10 +194,43 @@ class ColumnParallelLinear(_ShardedLinear):
 class RowParallelLinear(_ShardedLinear):
     """`eqx.nn.Linear` with the weight split by input features over `comm`.
 
-    Shape: this rank's block `Float[Array, "in/size"]` (`input_is_parallel=True`) or the
-    replicated `Float[Array, "in"]` (split on entry) -> replicated `Float[Array, "out"]`.
-    Transpose: the partial products are summed with `sum_replicated` (one allreduce
-    forward, none backward); the bias is added once, after the reduction.
+    Rank `r` holds columns `r * in_features // size` to `(r + 1) * in_features // size`
+    of the weight and the whole bias; each rank multiplies its block of the input, the
+    partial products are summed over the ranks and the bias is added once, after the
+    reduction. The second layer of a Megatron-LM pair (see `ColumnParallelLinear`).
+    Initialising from `key` gives the same global weights as `eqx.nn.Linear(key=key)`.
+
+    Args:
+        in_features (int): the input's size (all ranks together), divisible by the
+            communicator's size.
+        out_features (int): the output's size.
+        use_bias (bool): whether the layer has a bias (replicated).
+        input_is_parallel (bool): the input is this rank's block of the features (True),
+            or the whole replicated input, which the layer splits on entry (False).
+        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator the weight is
+            split over (None: vjpmpi's private duplicate of COMM_WORLD).
+        key (jax.random.PRNGKey | None): the initialisation key, the same on every rank
+            (each rank draws the whole layer and keeps its block); needed unless `dense`
+            is given.
+        dense (eqx.nn.Linear | None): a whole layer (the same on every rank) to split
+            instead of drawing one (what `from_dense` passes); its bias, or none, is kept
+            whatever `use_bias` says, and `in_features`, `out_features` must be its own.
+
+    Raises:
+        ValueError: neither `key` nor `dense` is given, or `in_features` is not
+            divisible by the communicator's size.
+        TypeError: `comm` is not an mpi4py intracommunicator or None.
+
+    Shape:
+        this rank's block `(in_features // size,)` (`input_is_parallel=True`) or the
+        replicated `(in_features,)` (`input_is_parallel=False`) -> replicated
+        `(out_features,)`.
+
+    Transpose:
+        the partial products are summed with `sum_replicated`: one allreduce forward,
+        none backward (each rank's block gets its slice of the replicated cotangent);
+        with `input_is_parallel=False` the input is marked with `use_replicated`, so
+        the backward pass allreduces its cotangent.
     """
 
     input_is_parallel: bool = eqx.field(static=True)
@@ -126,10 +244,31 @@ class RowParallelLinear(_ShardedLinear):
 
     def partial(self, x: Float[Array, " in_block"]) -> Float[Array, " out"]:
         """This rank's term of the output (no sum over ranks, no bias): for a
-        sequence-parallel block, which reduce-scatters the terms instead."""
+        sequence-parallel block, which reduce-scatters the terms instead.
+
+        No communication, forward or backward: `weight @ x` on this rank's block.
+
+        Args:
+            x (Array): this rank's block of the input, `(in_features // size,)`.
+
+        Returns:
+            This rank's term of the output, `(out_features,)`: the output is the sum of
+                the ranks' terms plus the bias.
+        """
         return self.weight @ x
 
     def __call__(self, x: Float[Array, " in"], *, key=None) -> Float[Array, " out"]:
+        """Apply the layer: this rank's partial product, summed over the ranks, plus bias.
+
+        Args:
+            x (Array): this rank's block of the input, `(in_features // size,)`, or with
+                `input_is_parallel=False` the whole input `(in_features,)`, the same on
+                every rank (`jax.vmap` for a batch).
+            key (jax.random.PRNGKey | None): unused (equinox's layer signature).
+
+        Returns:
+            The output, `(out_features,)`, the same on every rank.
+        """
         if not self.input_is_parallel:
             start, stop = self._block()
             x = use_replicated(x, comm=self.comm)[start:stop]

@@ -17,15 +17,32 @@ def vocab_parallel_cross_entropy(logits_shard: Float[Array, "... vocab_block"],
     """Softmax cross-entropy with integer labels, from logits split by vocabulary.
 
     Each rank holds block `rank` of the vocabulary axis (`vocab / size` entries, as
-    `ColumnParallelLinear` without `gather_output` gives it); `labels` (ids in the
-    whole vocabulary) are the same on every rank. Equals
+    `ColumnParallelLinear` without `gather_output` gives it). Equals
     `optax.softmax_cross_entropy_with_integer_labels` on the gathered logits, with two
     small allreduces (the maximum, then the sum of exponentials and the label's logit
     together) and no gather.
-    Shape: `(..., vocab / size)` and `(...)` -> replicated `(...)`.
-    Transpose: the loss is one replicated value (`sum_replicated`): each rank's logits
-    get their block of `softmax - onehot`, with no communication backward (a custom
-    JVP; forward mode adds one allreduce, and second derivatives work).
+
+    Args:
+        logits_shard (Array): this rank's block of the logits, `(..., vocab // size)`.
+        labels (Array): integer labels `(...)`, ids in the whole vocabulary, the same on
+            every rank.
+        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator the vocabulary
+            is split over (None: vjpmpi's private duplicate of COMM_WORLD).
+
+    Returns:
+        The loss of each position, `(...)` (not averaged), the same on every rank.
+
+    Raises:
+        ValueError: `labels`' shape is not `logits_shard`'s leading axes.
+        TypeError: `comm` is not an mpi4py intracommunicator or None.
+
+    Shape:
+        `(..., vocab // size)` and `(...)` -> replicated `(...)`.
+
+    Transpose:
+        the loss is one replicated value (`sum_replicated`): each rank's logits get
+        their block of `softmax - onehot`, with no communication backward (a custom JVP;
+        forward mode adds one allreduce, and second derivatives work).
     """
     ref = comm_ref(comm, "vocab_parallel_cross_entropy")
     width = logits_shard.shape[-1]

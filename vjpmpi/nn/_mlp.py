@@ -33,12 +33,64 @@ def _plain(fn, what: str):
 class ParallelMLP(eqx.Module):
     """`eqx.nn.MLP` of any depth with its linear layers split in pairs over `comm`.
 
-    Layers 0-1, 2-3, ... are column-/row-parallel pairs (the hidden units of each pair
-    split); an unpaired last layer (even depth) is kept whole on every rank, and a
-    depth-0 MLP (one layer) is kept as it is.
-    Shape: replicated `Float[Array, "in"]` -> replicated `Float[Array, "out"]`.
-    Transpose: per pair one allreduce forward (the row layer's sum) and one backward
-    (the column layer's input), as in Megatron-LM; the whole last layer needs none.
+    Layers 0-1, 2-3, ... are column-/row-parallel pairs (`ColumnParallelLinear`,
+    `RowParallelLinear`: the hidden units of each pair split over the ranks); an
+    unpaired last layer (even depth) is kept whole on every rank, and a depth-0 MLP
+    (one layer) is kept as it is. Built from `key`, it holds the shards of
+    `eqx.nn.MLP(..., key=key)`; `to_dense` gathers that MLP back.
+
+    Args:
+        in_size (int): the input's size.
+        out_size (int): the output's size.
+        width_size (int): the hidden layers' size, divisible by the communicator's size
+            (where there is a pair to split).
+        activation (Callable): the hidden layers' activation, a plain function (not a
+            learnt one with parameters).
+        depth (int): the number of hidden layers, as in `eqx.nn.MLP`.
+        final_activation (Callable): the activation after the last layer (default: the
+            identity), a plain function.
+        use_bias (bool): whether the hidden layers have biases.
+        use_final_bias (bool): whether the last layer has a bias.
+        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator the hidden
+            units are split over (None: vjpmpi's private duplicate of COMM_WORLD).
+        key (jax.random.PRNGKey | None): the initialisation key, the same on every rank;
+            needed unless `dense` is given.
+        dense (eqx.nn.MLP | None): a whole MLP (the same on every rank) to split instead
+            of drawing one (what `from_dense` passes); its sizes, depth, activations and
+            biases are used instead of the arguments above (`in_size` to
+            `use_final_bias`).
+
+    Raises:
+        ValueError: neither `key` nor `dense` is given; the MLP was built with
+            `scan=True` or a `'scalar'` input or output size; an activation with
+            parameters (a learnt one); `width_size` not divisible by the
+            communicator's size.
+        TypeError: `comm` is not an mpi4py intracommunicator or None.
+
+    Shape:
+        replicated `(in_size,)` -> replicated `(out_size,)`.
+
+    Transpose:
+        per pair one allreduce forward (the row layer's sum) and one backward (the
+        column layer's input cotangent), as in Megatron-LM; the whole last layer needs
+        none.
+
+    Example:
+        ```python
+        import jax, jax.numpy as jnp
+        from mpi4py import MPI
+        import vjpmpi, vjpmpi.nn as vnn
+
+        rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+        mlp = vnn.ParallelMLP(4, 3, 8, depth=2, key=jax.random.PRNGKey(0))  # same key everywhere
+        dense = mlp.to_dense()                      # the eqx.nn.MLP, whole on every rank
+        x = jnp.linspace(-1.0, 1.0, 4)
+        assert jnp.allclose(mlp(x), dense(x), atol=1e-5)  # replicated (3,) on every rank
+        seq = jax.random.normal(jax.random.PRNGKey(1), (2 * size, 4))
+        mine = seq[2 * rank:2 * rank + 2]           # this rank's block of the sequence
+        want = jax.vmap(dense)(seq)[2 * rank:2 * rank + 2]
+        assert jnp.allclose(mlp.sequence_parallel(mine), want, atol=1e-5)
+        ```
     """
 
     layers: tuple
@@ -86,11 +138,31 @@ class ParallelMLP(eqx.Module):
 
     @classmethod
     def from_dense(cls, mlp: eqx.nn.MLP, comm=None):
-        """Shard an `eqx.nn.MLP` (the same on every rank): any depth, its activations kept."""
+        """Shard an `eqx.nn.MLP` (the same on every rank): any depth, its activations kept.
+
+        Args:
+            mlp (eqx.nn.MLP): the whole MLP, the same on every rank.
+            comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None:
+                vjpmpi's private duplicate of COMM_WORLD).
+
+        Returns:
+            (ParallelMLP): the layer holding this rank's shards of `mlp`.
+
+        Raises:
+            ValueError: as the constructor (`scan=True`, a `'scalar'` size, a learnt
+                activation, a width not divisible by the communicator's size).
+            TypeError: `comm` is not an mpi4py intracommunicator or None.
+        """
         return cls(mlp.in_size, mlp.out_size, mlp.width_size, comm=comm, dense=mlp)
 
     def to_dense(self) -> eqx.nn.MLP:
-        """Gather the shards into an `eqx.nn.MLP` on every rank."""
+        """Gather the shards into an `eqx.nn.MLP` on every rank (allgathers, where there
+        is a pair: every rank must call it).
+
+        Returns:
+            The whole `eqx.nn.MLP`, the same on every rank (a depth-0 MLP: the one it
+                holds).
+        """
         if self.depth == 0:
             return self.layers[0]
         layers = tuple(layer if isinstance(layer, eqx.nn.Linear) else layer.to_dense()
@@ -102,6 +174,16 @@ class ParallelMLP(eqx.Module):
         return eqx.tree_at(lambda m: m.layers, mlp, layers)
 
     def __call__(self, x: Float[Array, " in"], *, key=None) -> Float[Array, " out"]:
+        """Apply the MLP to a replicated input.
+
+        Args:
+            x (Array): the input, `(in_size,)`, the same on every rank (`jax.vmap` for a
+                batch).
+            key (jax.random.PRNGKey | None): unused (equinox's layer signature).
+
+        Returns:
+            The output, `(out_size,)`, the same on every rank.
+        """
         if self.depth == 0:  # the eqx.nn.MLP itself
             return self.layers[0](x)
         for i, layer in enumerate(self.layers):
@@ -113,14 +195,26 @@ class ParallelMLP(eqx.Module):
         return self.activation(x) if i + 1 < len(self.layers) else self.final_activation(x)
 
     def sequence_parallel(self, x: Float[Array, "seq_block in"]) -> Float[Array, "seq_block out"]:
-        """The MLP on a sequence split over the ranks (Megatron-LM's sequence
-        parallelism): each column/row pair allgathers the sequence before its column
-        layer and reduce-scatters its row layer's terms, instead of an allreduce; an
-        unpaired last layer runs on the block. Equal to this rank's block of
+        """The MLP on a sequence split over the ranks (Megatron-LM's sequence parallelism).
+
+        Each column/row pair allgathers the sequence before its column layer and
+        reduce-scatters its row layer's terms, instead of an allreduce; an unpaired last
+        layer runs on the block (its parameters marked `replicated`, so that their
+        gradients sum over the ranks). Equal to this rank's block of
         `jax.vmap(self)(full)`.
 
-        Shape: `(seq / size, in)` -> `(seq / size, out)`.
-        Transpose: the allgathers reduce-scatter backward, the reduce_scatters allgather.
+        Args:
+            x (Array): this rank's block of the sequence, `(seq // size, in_size)`
+                (block `rank`, in rank order).
+
+        Returns:
+            This rank's block of the output sequence, `(seq // size, out_size)`.
+
+        Shape:
+            `(seq // size, in_size)` -> `(seq // size, out_size)` on each rank.
+
+        Transpose:
+            the allgathers reduce-scatter backward, the reduce_scatters allgather.
         """
         act, comm = self._activate, self.comm
         if self.depth == 0:
@@ -155,21 +249,29 @@ def allreduce_gradients(grads: PyTree, *, mean: bool = True, bucket_bytes: int |
     Works on gradients from `eqx.filter_grad` and as a step before `optax` updates.
 
     Args:
-        grads: a pytree (gradients).
-        mean: divide the sum by the communicator's size.
-        bucket_bytes: one allreduce per run of at most this many bytes (None: one per
-            dtype); the same on every rank.
-        comm: the communicator (None: vjpmpi's default).
+        grads (PyTree): a pytree (gradients), of the same structure, shapes and dtypes on
+            every rank.
+        mean (bool): divide the sum by the communicator's size.
+        bucket_bytes (int | None): one allreduce per run of at most this many bytes
+            (None: one per dtype); the same on every rank.
+        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None: vjpmpi's
+            private duplicate of COMM_WORLD).
 
     Returns:
-        `grads` with every inexact-array leaf reduced over the ranks.
+        `grads` with every inexact-array leaf reduced (summed, or averaged with `mean`)
+            over the ranks: the same on every rank.
 
     Raises:
-        ValueError: a `bucket_bytes` that is not a positive int; when run, ranks whose
-            `bucket_bytes` differ fail together, saying so.
+        ValueError: a `bucket_bytes` that is not a positive int or None.
+        TypeError: `comm` is not an mpi4py intracommunicator or None.
+        jax.errors.JaxRuntimeError: when run, on every rank, where the ranks'
+            `bucket_bytes` differ (saying so).
 
-    Shape: the pytree -> the same pytree.
-    Transpose: allreduce(SUM) (scaled by 1/size for the mean).
+    Shape:
+        the pytree -> the same pytree.
+
+    Transpose:
+        allreduce(SUM) (scaled by 1/size for the mean).
     """
     ref = as_comm(comm, "nn.allreduce_gradients")
     cap = bucket_bytes_arg(bucket_bytes, "allreduce_gradients")
@@ -202,9 +304,11 @@ def _bucket_sync(comm, size: int, mean: bool):
 
 def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None = 25 << 20,
                    comm: MPI.Comm | None = None) -> PyTree:
-    """`model` unchanged, whose gradient comes back all-reduced over `comm` (mean or sum),
-    bucket by bucket inside the backward pass: data-parallel training whose gradient sync
-    overlaps the rest of the backward pass (as PyTorch DDP's `bucket_cap_mb`).
+    """`model` unchanged, whose gradient comes back all-reduced over `comm` (mean or sum).
+
+    The allreduce runs bucket by bucket inside the backward pass: data-parallel training
+    whose gradient sync overlaps the rest of the backward pass (as PyTorch DDP's
+    `bucket_cap_mb`).
 
     Apply it inside the loss, to the parameters: ``loss(sync_gradients(model), x, y)``.
     The inexact-array leaves of each dtype are cut, from the last leaf back (the order
@@ -217,21 +321,46 @@ def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None
     equals `allreduce_gradients` of the local gradient, bit for bit.
 
     Args:
-        model: a pytree (the parameters, as the loss uses them).
-        mean: divide the gradient's sum by the communicator's size.
-        bucket_bytes: the most bytes of one bucket (None: one per dtype); the same on
-            every rank.
-        comm: the communicator (None: vjpmpi's default).
+        model (PyTree): a pytree (the parameters, as the loss uses them), of the same
+            structure, shapes and dtypes on every rank.
+        mean (bool): divide the gradient's sum by the communicator's size.
+        bucket_bytes (int | None): the most bytes of one bucket (None: one per dtype);
+            the same on every rank.
+        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None: vjpmpi's
+            private duplicate of COMM_WORLD).
 
     Returns:
-        `model` unchanged, with the gradient sync on its derivative.
+        `model` unchanged (the same leaves' values), with the gradient sync on its
+            derivative.
 
     Raises:
-        ValueError: a `bucket_bytes` that is not a positive int; when run, ranks whose
-            `bucket_bytes` differ fail together, saying so.
+        ValueError: a `bucket_bytes` that is not a positive int or None.
+        TypeError: `comm` is not an mpi4py intracommunicator or None.
+        jax.errors.JaxRuntimeError: when run, on every rank, where the ranks'
+            `bucket_bytes` differ (saying so).
 
-    Shape: the identity on the pytree.
-    Transpose: allreduce(SUM) of each bucket's cotangent (scaled by 1/size for the mean).
+    Shape:
+        the identity on the pytree.
+
+    Transpose:
+        allreduce(SUM) of each bucket's cotangent (scaled by 1/size for the mean).
+
+    Example:
+        ```python
+        import jax, jax.numpy as jnp, equinox as eqx
+        from mpi4py import MPI
+        import vjpmpi, vjpmpi.nn as vnn
+
+        model = eqx.nn.Linear(3, 1, key=jax.random.PRNGKey(0))  # the same on every rank
+        x = jnp.full((3,), MPI.COMM_WORLD.rank + 1.0)            # each rank's own data
+
+        def loss(m, x):
+            return jnp.sum(m(x) ** 2)
+
+        synced = eqx.filter_grad(lambda m, x: loss(vnn.sync_gradients(m), x))(model, x)
+        local = eqx.filter_grad(loss)(model, x)                  # this rank's gradient alone
+        assert jnp.allclose(synced.weight, vnn.allreduce_gradients(local).weight)
+        ```
     """
     ref = as_comm(comm, "nn.sync_gradients")
     cap = bucket_bytes_arg(bucket_bytes, "sync_gradients")

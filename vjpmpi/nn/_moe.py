@@ -43,8 +43,34 @@ class ExpertParallelMoE(eqx.Module):
     The loss of the auxiliary term counts once in that sum (its sums over ranks are
     `sum_replicated`).
 
-    Shape: this rank's `Float[Array, "tokens in"]` -> (`Float[Array, "tokens in"]`, aux `()`).
-    Transpose: the dispatch exchange's is the return exchange and the other way round.
+    Args:
+        in_size (int): the tokens' width.
+        hidden_size (int): each expert MLP's hidden width.
+        num_experts (int): experts in all, a multiple of the communicator's size.
+        top_k (int): experts per token, 1 or 2.
+        activation (Callable): the experts' activation.
+        capacity_factor (float | None): None: dropless; else each expert takes at most
+            `ceil(capacity_factor * tokens * top_k / num_experts)` rows from each rank
+            (the first in token order), the others dropped (no output from it).
+        dropout (float): dropout rate on the experts' outputs (with `key=` in the call).
+        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator the experts are
+            split over (None: vjpmpi's private duplicate of COMM_WORLD).
+        key (jax.random.PRNGKey | None): one key, the same on every rank: every rank
+            draws the whole layer and keeps its experts (the one-process layer from the
+            same key is equal); needed unless `dense` is given.
+        dense (ExpertParallelMoE | None): (internal) the whole layer to split (what
+            `from_dense` passes).
+
+    Raises:
+        ValueError: `num_experts` not a multiple of the size, `top_k` not 1 or 2, a
+            `dropout` outside [0, 1), or neither `key` nor `dense`.
+        TypeError: `comm` is not an mpi4py intracommunicator or None.
+
+    Shape:
+        this rank's `(tokens, in_size)` -> (`(tokens, in_size)`, aux `()`).
+
+    Transpose:
+        the dispatch exchange's is the return exchange and the other way round.
     """
 
     router: Float[Array, "experts in"]
@@ -63,26 +89,6 @@ class ExpertParallelMoE(eqx.Module):
                  activation: Callable = jax.nn.gelu, capacity_factor: float | None = None,
                  dropout: float = 0.0, comm=None, key: PRNGKeyArray | None = None,
                  dense: "ExpertParallelMoE | None" = None):
-        """Args:
-            in_size (int): the tokens' width.
-            hidden_size (int): each expert MLP's hidden width.
-            num_experts (int): experts in all, a multiple of the communicator's size.
-            top_k (int): experts per token, 1 or 2.
-            activation (Callable): the experts' activation.
-            capacity_factor (float | None): None: dropless; else each expert takes at most
-                `ceil(capacity_factor * tokens * top_k / num_experts)` rows from each rank
-                (the first in token order), the others dropped (no output from it).
-            dropout (float): dropout rate on the experts' outputs (with `key=` in the call).
-            comm (MPI.Intracomm | None): the communicator the experts are split over.
-            key (PRNGKeyArray): one key, the same on every rank: every rank draws the whole
-                layer and keeps its experts (the one-process layer from the same key is
-                equal).
-            dense: (internal) the whole layer to split (`from_dense`).
-
-        Raises:
-            ValueError: `num_experts` not a multiple of the size, `top_k` not 1 or 2, a
-                `dropout` outside [0, 1), or neither `key` nor `dense`.
-        """
         self.comm = comm_ref(comm, "ExpertParallelMoE")
         size = self.comm.size
         if num_experts % size:
@@ -117,7 +123,22 @@ class ExpertParallelMoE(eqx.Module):
     @classmethod
     def from_dense(cls, dense: "ExpertParallelMoE", comm=None) -> "ExpertParallelMoE":
         """Split a whole layer (every expert on this process: one on `MPI.COMM_SELF`, the
-        same on every rank) over `comm`."""
+        same on every rank) over `comm`.
+
+        Args:
+            dense (ExpertParallelMoE): the whole layer, on a one-rank communicator, the
+                same on every rank.
+            comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None:
+                vjpmpi's private duplicate of COMM_WORLD).
+
+        Returns:
+            The layer holding this rank's experts of `dense` (and the whole router).
+
+        Raises:
+            ValueError: `dense` is not on a one-rank communicator, or its `num_experts`
+                is not a multiple of `comm`'s size.
+            TypeError: `comm` is not an mpi4py intracommunicator or None.
+        """
         if dense.comm.size != 1:
             raise ValueError("vjpmpi.nn.ExpertParallelMoE.from_dense: the layer to split must "
                              "hold every expert (a layer on a one-rank communicator)")
@@ -126,7 +147,13 @@ class ExpertParallelMoE(eqx.Module):
                    dropout=dense.dropout, comm=comm, dense=dense)
 
     def to_dense(self) -> "ExpertParallelMoE":
-        """Gather every expert into a whole layer on `MPI.COMM_SELF`, on every rank."""
+        """Gather every expert into a whole layer on `MPI.COMM_SELF`, on every rank
+        (allgathers: every rank must call it).
+
+        Returns:
+            The whole `ExpertParallelMoE` (every expert, on `MPI.COMM_SELF`), the same on
+                every rank.
+        """
         whole = {k: allgather(getattr(self, k), comm=self.comm).reshape(
             -1, *getattr(self, k).shape[1:]) for k in ("w1", "b1", "w2", "b2")}
         whole["router"] = self.router
@@ -137,14 +164,21 @@ class ExpertParallelMoE(eqx.Module):
 
     def __call__(self, x: Float[Array, "tokens in"], *, key: PRNGKeyArray | None = None
                  ) -> tuple[Float[Array, "tokens in"], Float[Array, ""]]:
-        """Args:
-            x (Array): this rank's tokens, shape `(tokens, in)`.
-            key (PRNGKeyArray | None): the dropout key, the same on every rank (each token's
-                mask is drawn from it and the token's place in the global batch, so the
-                one-process layer on every rank's tokens in rank order draws the same).
+        """Route this rank's tokens to their experts and back.
+
+        Args:
+            x (Array): this rank's tokens, shape `(tokens, in_size)`.
+            key (jax.random.PRNGKey | None): the dropout key, the same on every rank (each
+                token's mask is drawn from it and the token's place in the global batch,
+                so the one-process layer on every rank's tokens in rank order draws the
+                same); None: no dropout.
 
         Returns:
-            `(y, aux)`: the layer's output for these tokens, and the load-balancing loss.
+            `(y, aux)`: the layer's output for these tokens, `(tokens, in_size)`, and the
+                load-balancing loss, a scalar, the same on every rank.
+
+        Raises:
+            ValueError: `x` is not of shape `(tokens, in_size)`.
         """
         comm, size, rank = self.comm, self.comm.size, self.comm.rank
         x = jnp.asarray(x)

@@ -283,24 +283,32 @@ def sharded_optimizer(inner: optax.GradientTransformation, *, mean: bool = True,
     decided from a leaf's size), saying why.
 
     Args:
-        inner: an optax `GradientTransformation` that treats each element on its own.
-        mean: average the ranks' gradients (else sum them).
-        bucket_bytes: cut each dtype's gradients into buckets of at most this many
-            bytes (None: one bucket per dtype); the same on every rank.
-        comm: the data-parallel communicator (None: vjpmpi's default).
+        inner (optax.GradientTransformation): the optimizer, one that treats each
+            element on its own.
+        mean (bool): average the ranks' gradients (else sum them).
+        bucket_bytes (int | None): cut each dtype's gradients into buckets of at most
+            this many bytes (None: one bucket per dtype); the same on every rank.
+        comm (MPI.Intracomm | vjpmpi's CommRef | None): the data-parallel communicator
+            (None: vjpmpi's private duplicate of COMM_WORLD).
 
     Returns:
         An optax `GradientTransformation`: `init(params)` (this rank's 1/size of
-        `inner`'s state) and `update(grads, state, params=None)`.
+            `inner`'s state) and `update(grads, state, params=None)` (the whole updates,
+            the same on every rank, and this rank's new state).
 
     Raises:
-        ValueError: from `init` or `update`, on every rank, for an `inner` that cannot
-            run on shards exactly as on the whole parameters (saying why), or a
-            `bucket_bytes` that is not a positive int; when run, ranks whose
-            `bucket_bytes` differ fail together, saying so.
+        ValueError: a `bucket_bytes` that is not a positive int or None; from `init` or
+            `update`, on every rank, for an `inner` that cannot run on shards exactly as
+            on the whole parameters (saying why).
+        TypeError: `comm` is not an mpi4py intracommunicator or None.
+        jax.errors.JaxRuntimeError: when `update` runs, on every rank, where the ranks'
+            `bucket_bytes` differ (saying so).
 
-    Shape: local gradients (a pytree) -> replicated updates (the same pytree).
-    Transpose: (not differentiated) one reduce_scatter and one allgather per bucket.
+    Shape:
+        local gradients (a pytree) -> replicated updates (the same pytree).
+
+    Transpose:
+        (not differentiated) one reduce_scatter and one allgather per bucket.
     """
     import optax
 

@@ -34,7 +34,16 @@ FORWARD_TAG, BACKWARD_TAG = 0x5046, 0x5042
 
 class Slot(NamedTuple):
     """One cell of a schedule: at `step`, `stage` runs micro-batch `micro`'s forward
-    (`kind` "F") or backward ("B") pass."""
+    (`kind` "F") or backward ("B") pass.
+
+    A record read from `Schedule.rows` and `Schedule.grid()` (a `NamedTuple`).
+
+    Attributes:
+        step (int): the time unit, from 0.
+        stage (int): the stage (the rank of the pipeline's communicator) that runs it.
+        micro (int): the micro-batch, from 0.
+        kind (str): "F" (forward pass) or "B" (backward pass).
+    """
 
     step: int
     stage: int
@@ -58,7 +67,24 @@ class Schedule:
     Every (stage, micro-batch, kind) appears once, a stage runs at most one slot per
     step, and each slot comes after the slots it waits for (the previous stage's
     forward pass; its own forward pass and the next stage's backward pass).
-    `str(schedule)` draws it as a table, one line per stage.
+    `str(schedule)` draws it as a table, one line per stage. `gpipe`, `one_f_one_b` and
+    `from_orders` build schedules; the constructor takes any table and checks it.
+    Its `rows` are sorted by step, then stage; `steps` and `bubble` (properties) give
+    its length and idle fraction. Two schedules are equal when their stages,
+    micro-batches and rows are.
+
+    Args:
+        stages (int): the number of stages, at least 1.
+        micro (int): the number of micro-batches, at least 1.
+        rows (Sequence): the table's `(step, stage, micro, kind)` rows (`Slot`s or
+            4-tuples, in any order).
+        name (str): the schedule's name, in its repr and error messages.
+
+    Raises:
+        ValueError: `stages` or `micro` below 1; a row outside the table (kind not "F"
+            or "B", stage or micro-batch out of range, a negative step); a (stage,
+            micro-batch, kind) twice or missing; two slots of one stage at one step; a
+            slot not after the slots it waits for.
     """
 
     def __init__(self, stages: int, micro: int, rows: Sequence, name: str = "custom"):
@@ -109,7 +135,14 @@ class Schedule:
 
     def stored(self, stage: int) -> int:
         """The most forward passes `stage` has run and not yet taken back at once: its
-        peak of stored activations, in micro-batches."""
+        peak of stored activations, in micro-batches.
+
+        Args:
+            stage (int): the stage, `0 <= stage < stages`.
+
+        Returns:
+            The peak number of micro-batches whose activations `stage` holds at once.
+        """
         held = peak = 0
         for r in self.rows:
             if r.stage == stage:
@@ -118,7 +151,12 @@ class Schedule:
         return peak
 
     def grid(self) -> list[list[Slot | None]]:
-        """`grid[step][stage]`: the slot a stage runs at a step, or None (idle)."""
+        """`grid[step][stage]`: the slot a stage runs at a step, or None (idle).
+
+        Returns:
+            A list of `steps` rows, each a list of `stages` entries: the `Slot` that stage
+                runs at that step, or None.
+        """
         cells: list[list[Slot | None]] = [[None] * self.stages for _ in range(self.steps)]
         for r in self.rows:
             cells[r.step][r.stage] = r
@@ -145,9 +183,28 @@ class Schedule:
 
 def from_orders(stages: int, micro: int, orders: Sequence[Sequence[tuple[str, int]]],
                 name: str = "custom") -> Schedule:
-    """The schedule in which stage `s` runs `orders[s]` (its ("F" or "B", micro-batch)
-    pairs, in order), each slot at the first step after its stage's previous slot and
-    after every slot it waits for. Raises ValueError for an order that cannot run."""
+    """The schedule in which stage `s` runs `orders[s]`, each slot as early as it can.
+
+    Each slot goes at the first step after its stage's previous slot and after every
+    slot it waits for (the previous stage's forward pass; its own forward pass and the
+    next stage's backward pass).
+
+    Args:
+        stages (int): the number of stages.
+        micro (int): the number of micro-batches.
+        orders (Sequence[Sequence[tuple[str, int]]]): one order per stage: its
+            ("F" or "B", micro-batch) pairs, in the order it runs them.
+        name (str): the schedule's name.
+
+    Returns:
+        The `Schedule`.
+
+    Raises:
+        ValueError: for an order that cannot run: not one order per stage, orders that
+            wait for each other, or a table that `Schedule` refuses (a pass missing or
+            twice, a kind other than "F"/"B", a micro-batch out of range, `stages` or
+            `micro` below 1).
+    """
     if len(orders) != stages:
         raise ValueError(f"vjpmpi.nn.Schedule ({name}): {len(orders)} orders for {stages} stages")
     done: dict[tuple[int, int, str], int] = {}
@@ -172,19 +229,45 @@ def from_orders(stages: int, micro: int, orders: Sequence[Sequence[tuple[str, in
 
 
 def gpipe(stages: int, micro: int) -> Schedule:
-    """GPipe: every stage runs all forward passes, then all backward passes in reverse
-    micro-batch order (what `jax.grad` of the forward pipeline runs). Stores `micro`
-    micro-batches' activations per stage; bubble (stages - 1) / (micro + stages - 1)."""
+    """GPipe: every stage runs all forward passes, then all backward passes.
+
+    The backward passes run in reverse micro-batch order (what `jax.grad` of the forward
+    pipeline runs). Stores `micro` micro-batches' activations per stage; bubble
+    (stages - 1) / (micro + stages - 1).
+
+    Args:
+        stages (int): the number of stages (the pipeline communicator's size), at least 1.
+        micro (int): the number of micro-batches, at least 1.
+
+    Returns:
+        The `Schedule` (named "gpipe").
+
+    Raises:
+        ValueError: `stages` or `micro` below 1.
+    """
     return from_orders(stages, micro, [
         [("F", i) for i in range(micro)] + [("B", i) for i in reversed(range(micro))]
         for _ in range(stages)], "gpipe")
 
 
 def one_f_one_b(stages: int, micro: int) -> Schedule:
-    """1F1B (PipeDream-flush, Megatron-LM): stage `s` runs `stages - 1 - s` forward passes
-    to fill the pipeline, then one forward and one backward pass in turn, then the
-    remaining backward passes. Stores at most `stages - s` micro-batches' activations on
-    stage `s` (at most `stages`); the same bubble as GPipe."""
+    """1F1B (PipeDream-flush, Megatron-LM): forward and backward passes in turn.
+
+    Stage `s` runs `stages - 1 - s` forward passes to fill the pipeline, then one
+    forward and one backward pass in turn, then the remaining backward passes. Stores at
+    most `stages - s` micro-batches' activations on stage `s` (at most `stages`); the
+    same bubble as GPipe.
+
+    Args:
+        stages (int): the number of stages (the pipeline communicator's size), at least 1.
+        micro (int): the number of micro-batches, at least 1.
+
+    Returns:
+        The `Schedule` (named "1f1b").
+
+    Raises:
+        ValueError: `stages` or `micro` below 1.
+    """
     orders = []
     for s in range(stages):
         warm = min(stages - 1 - s, micro)
@@ -285,30 +368,72 @@ def pipeline_value_and_grad(stage: Callable, loss: Callable, inputs: PyTree, tar
     """The loss of a model split into pipeline stages, one per rank of `comm`, and the
     gradient of this rank's stage, running the micro-batches by `schedule`.
 
-    **Arguments:**
-
-    - `stage`: this rank's stage (rank `s` of `comm` is stage `s`), a callable pytree
-      such as an `eqx.Module`: `stage(x)`, or `stage(x, key=k)` when `key` is given.
-      Differentiated with respect to its floating-point arrays (`eqx.filter_vjp`).
-    - `loss`: `loss(y, target)`, the last stage's real scalar loss of one micro-batch.
-    - `inputs`: the first stage's micro-batches, `micro` entries on the first axis
-      (other stages may pass None); `targets`: the last stage's, likewise.
-    - `schedule`: a `Schedule` of `comm.size` stages, e.g. `one_f_one_b(size, micro)`.
-    - `activation`: one micro-batch's activation between stages (an array or
-      `jax.ShapeDtypeStruct`, floating point), or a sequence of one per boundary.
-    - `key`: dropout key; micro-batch `i` runs with `jax.random.fold_in(key, i)`.
-
-    **Returns:** `(loss, grads)`: the mean of the micro-batches' losses on every rank
-    (in the default float dtype), and the gradient of that mean with respect to this
-    rank's `stage` (a pytree like `stage`, None where not differentiated).
-
-    Shape: micro-batches `inputs[i]` -> scalar loss.
-    Transpose: each boundary's activation send is matched by a cotangent send back.
-
     Arguments that do not fit (a stage's output unlike `activation`, the wrong number of
     micro-batches) are an error on every rank when the program runs, named by the rank
     that found it. Its messages use tags 20550 (activations) and 20546 (cotangents) on
     `comm`: give the pipeline a communicator of its own.
+
+    Args:
+        stage (Callable): this rank's stage (rank `s` of `comm` is stage `s`), a callable
+            pytree such as an `eqx.Module`: `stage(x)`, or `stage(x, key=k)` when `key`
+            is given. Differentiated with respect to its floating-point arrays
+            (`eqx.filter_vjp`).
+        loss (Callable): `loss(y, target)`, the last stage's real scalar loss of one
+            micro-batch.
+        inputs (PyTree): the first stage's micro-batches, `micro` entries on the first
+            axis (other stages may pass None).
+        targets (PyTree): the last stage's targets, `micro` entries on the first axis
+            (other stages may pass None).
+        schedule (Schedule): a `Schedule` of `comm.size` stages, e.g.
+            `one_f_one_b(size, micro)`, the same on every rank.
+        activation (Array | jax.ShapeDtypeStruct | Sequence): one micro-batch's
+            activation between stages (an array or `jax.ShapeDtypeStruct`, floating
+            point), or a sequence of one per boundary.
+        key (jax.random.PRNGKey | None): dropout key; micro-batch `i` runs with
+            `jax.random.fold_in(key, i)`.
+        comm (MPI.Intracomm | vjpmpi's CommRef | None): the pipeline's communicator, one
+            rank per stage (None: vjpmpi's private duplicate of COMM_WORLD).
+
+    Returns:
+        `(loss, grads)`: the mean of the micro-batches' losses on every rank (in the
+            default float dtype), and the gradient of that mean with respect to this
+            rank's `stage` (a pytree like `stage`, None where not differentiated).
+
+    Raises:
+        TypeError: `schedule` is not a `Schedule`; `activation` (or an entry of it) is
+            not an array or `jax.ShapeDtypeStruct`; `comm` is not an mpi4py
+            intracommunicator or None.
+        ValueError: a sequence `activation` whose length is not `stages - 1`; on a
+            one-rank communicator, any of the refusals below, at once.
+        jax.errors.JaxRuntimeError: when run, on every rank: a schedule whose number of
+            stages is not the communicator's size; arguments that do not fit (a stage's
+            output unlike `activation`, non-floating activations, `inputs` or `targets`
+            missing or without `micro` entries, a `loss` that is not a real scalar, a
+            stage that fails on one micro-batch); ranks whose schedules or activations
+            differ.
+
+    Shape:
+        micro-batches `inputs[i]` -> scalar loss.
+
+    Transpose:
+        each boundary's activation send is matched by a cotangent send back.
+
+    Example:
+        ```python
+        import jax, jax.numpy as jnp, equinox as eqx
+        from mpi4py import MPI
+        import vjpmpi, vjpmpi.nn as vnn
+
+        rank = MPI.COMM_WORLD.rank                   # stage `rank` of a 2-stage pipeline
+        layers = [eqx.nn.Linear(3, 3, key=jax.random.PRNGKey(s)) for s in range(2)]
+        xs, ts = jnp.ones((4, 3)), jnp.zeros((4, 3))  # 4 micro-batches
+        loss = lambda y, t: jnp.mean((y - t) ** 2)
+        value, grads = vnn.pipeline_value_and_grad(
+            layers[rank], loss, xs, ts, schedule=vnn.one_f_one_b(2, 4), activation=jnp.zeros(3))
+        whole = lambda ls: jnp.mean(jax.vmap(lambda x, t: loss(ls[1](ls[0](x)), t))(xs, ts))
+        want, want_grads = eqx.filter_value_and_grad(whole)(layers)
+        assert jnp.allclose(value, want) and jnp.allclose(grads.weight, want_grads[rank].weight)
+        ```
     """
     ref = as_comm(comm, _OP)
     if not isinstance(schedule, Schedule):

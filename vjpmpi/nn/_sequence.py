@@ -17,19 +17,70 @@ from ._shard import comm_ref
 def gather_sequence(x: Float[Array, "seq_block ..."], comm=None) -> Float[Array, "seq ..."]:
     """Every rank's block of the sequence, concatenated in rank order (an allgather).
 
-    Shape: `(seq / size, ...)` -> `(seq, ...)` on every rank.
-    Transpose: `scatter_sequence_sum` (reduce_scatter(SUM) of the cotangents).
+    What enters a tensor-parallel region in Megatron-LM's sequence-parallel mode.
+
+    Args:
+        x (Array): this rank's block of the sequence, `(seq // size, ...)`, the same
+            shape and dtype on every rank.
+        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None: vjpmpi's
+            private duplicate of COMM_WORLD).
+
+    Returns:
+        The whole sequence, `(seq, ...)`, the same on every rank.
+
+    Raises:
+        TypeError: `comm` is not an mpi4py intracommunicator or None.
+        jax.errors.JaxRuntimeError: when run, on every rank, where the ranks' blocks
+            differ in shape or dtype (vjpmpi's agreement on the allgather).
+
+    Shape:
+        `(seq // size, ...)` -> `(seq, ...)` on every rank.
+
+    Transpose:
+        `scatter_sequence_sum` (reduce_scatter(SUM) of the cotangents).
+
+    Example:
+        ```python
+        import jax.numpy as jnp
+        from mpi4py import MPI
+        import vjpmpi, vjpmpi.nn as vnn
+
+        rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+        block = jnp.full((2, 3), float(rank))       # this rank's 2 positions of the sequence
+        full = vnn.gather_sequence(block)           # (2 * size, 3), the same on every rank
+        assert full.shape == (2 * size, 3) and jnp.all(full[2 * rank:2 * rank + 2] == rank)
+        back = vnn.scatter_sequence_sum(full)       # the sum of size copies, this rank's block
+        assert jnp.allclose(back, size * block)
+        ```
     """
     ref = comm_ref(comm, "gather_sequence")
     return allgather(x, comm=ref).reshape(-1, *x.shape[1:])
 
 
 def scatter_sequence_sum(x: Float[Array, "seq ..."], comm=None) -> Float[Array, "seq_block ..."]:
-    """The sum over ranks of `x`, of which each rank keeps its block of the sequence
-    (a reduce_scatter: what replaces the allreduce after a row-parallel layer).
+    """The sum over ranks of `x`, of which each rank keeps its block of the sequence.
 
-    Shape: `(seq, ...)` (seq divisible by the size) -> `(seq / size, ...)`.
-    Transpose: `gather_sequence`.
+    A reduce_scatter: what replaces the allreduce after a row-parallel layer in
+    Megatron-LM's sequence-parallel mode.
+
+    Args:
+        x (Array): this rank's term, `(seq, ...)`, `seq` divisible by the
+            communicator's size; the same shape and dtype on every rank.
+        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None: vjpmpi's
+            private duplicate of COMM_WORLD).
+
+    Returns:
+        Block `rank` of the sum over the ranks, `(seq // size, ...)`.
+
+    Raises:
+        ValueError: `seq` (`x.shape[0]`) is not divisible by the communicator's size.
+        TypeError: `comm` is not an mpi4py intracommunicator or None.
+
+    Shape:
+        `(seq, ...)` -> `(seq // size, ...)` on each rank.
+
+    Transpose:
+        `gather_sequence`.
     """
     ref = comm_ref(comm, "scatter_sequence_sum")
     if x.shape[0] % ref.size:
@@ -40,12 +91,28 @@ def scatter_sequence_sum(x: Float[Array, "seq ..."], comm=None) -> Float[Array, 
 
 
 def replicated(module, comm=None):
-    """`module` with every inexact array marked by `use_replicated`: replicated
-    parameters that each rank applies to its own block (LayerNorm in a
+    """`module` with every inexact array marked by `use_replicated`.
+
+    For replicated parameters that each rank applies to its own block (LayerNorm in a
     sequence-parallel region), so that their gradients sum over the ranks.
 
-    Shape: the module, unchanged (the identity forward).
-    Transpose: allreduce(SUM) of each array's cotangent.
+    Args:
+        module (PyTree): a pytree (an `eqx.Module`), the same on every rank.
+        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None: vjpmpi's
+            private duplicate of COMM_WORLD).
+
+    Returns:
+        (PyTree): `module` with the same values, each inexact-array leaf marked by
+            `use_replicated` (other leaves unchanged).
+
+    Raises:
+        TypeError: `comm` is not an mpi4py intracommunicator or None.
+
+    Shape:
+        the module, unchanged (the identity forward).
+
+    Transpose:
+        allreduce(SUM) of each array's cotangent.
     """
     ref = comm_ref(comm, "replicated")
     return jax.tree_util.tree_map(
