@@ -242,6 +242,25 @@ def test_parallel_mlp_init_from_key_and_unsplittable_mlps():
         vnn.ParallelMLP.from_dense(fresh(eqx.nn.MLP, "scalar", 3, F, 1, seed=8))
 
 
+
+def test_a_dense_layer_of_other_shape_is_refused():
+    """`dense=` sliced with other feature counts would give wrong shards: refused, naming
+    the layer and the shapes; so is a layer with neither `key` nor `dense`."""
+    lin = eqx.nn.Linear(F, 2 * F, key=jax.random.PRNGKey(1))  # weight (2F, F)
+    for cls in (vnn.ColumnParallelLinear, vnn.RowParallelLinear):
+        name = cls.__name__
+        with pytest.raises(ValueError, match=rf"vjpmpi\.nn\.{name}: argument 'dense' has a "
+                                             rf"weight of shape \({2 * F}, {F}\), but "
+                                             rf"out_features={F} and in_features={2 * F}"):
+            cls(2 * F, F, dense=lin)
+        with pytest.raises(ValueError, match=rf"vjpmpi\.nn\.{name}: pass `key=`"):
+            cls(F, F)
+        assert cls(F, 2 * F, dense=lin).to_dense().weight.shape == (2 * F, F)
+    emb = eqx.nn.Embedding(F, 3, key=jax.random.PRNGKey(2))
+    with pytest.raises(ValueError, match=r"VocabParallelEmbedding: argument 'dense' has a "
+                                         rf"table of shape \({F}, 3\)"):
+        vnn.VocabParallelEmbedding(F, 4, dense=emb)
+
 # ------------------------------------------------------------- vocabulary --
 @eqx.filter_jit
 def embed(layer, ids):

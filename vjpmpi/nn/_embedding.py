@@ -34,8 +34,8 @@ class VocabParallelEmbedding(eqx.Module):
             `embedding_size` must be its own.
 
     Raises:
-        ValueError: neither `key` nor `dense` is given, or `num_embeddings` is not
-            divisible by the communicator's size.
+        ValueError: neither `key` nor `dense` is given, `dense` has a table of shape other than `(num_embeddings, embedding_size)`,
+            or `num_embeddings` is not divisible by the communicator's size.
         TypeError: `comm` is not an mpi4py intracommunicator or None.
 
     Shape:
@@ -57,6 +57,11 @@ class VocabParallelEmbedding(eqx.Module):
             if key is None:
                 raise ValueError("vjpmpi.nn.VocabParallelEmbedding: pass `key=` or use `from_dense`")
             dense = eqx.nn.Embedding(num_embeddings, embedding_size, key=key)
+        elif tuple(dense.weight.shape) != (num_embeddings, embedding_size):
+            raise ValueError("vjpmpi.nn.VocabParallelEmbedding: argument 'dense' has a table "
+                             f"of shape {tuple(dense.weight.shape)}, but num_embeddings="
+                             f"{num_embeddings} and embedding_size={embedding_size} make "
+                             f"{(num_embeddings, embedding_size)}")
         self.comm = comm_ref(comm, "VocabParallelEmbedding")
         start, stop = block(num_embeddings, self.comm, "VocabParallelEmbedding", "num_embeddings")
         self.weight = dense.weight[start:stop]

@@ -12,11 +12,17 @@ from .._replicated import sum_replicated, use_replicated
 from ._shard import block, comm_ref, gather_blocks
 
 
-def _dense(in_features, out_features, use_bias, key, dense):
+def _dense(layer, in_features, out_features, use_bias, key, dense):
     if dense is not None:
+        got = tuple(dense.weight.shape)
+        if got != (out_features, in_features):  # (a slice of another shape: wrong shards)
+            raise ValueError(f"vjpmpi.nn.{layer}: argument 'dense' has a weight of shape "
+                             f"{got}, but out_features={out_features} and "
+                             f"in_features={in_features} make {(out_features, in_features)}")
         return dense
     if key is None:
-        raise ValueError("vjpmpi.nn: pass `key=` (or build the layer with `from_dense`)")
+        raise ValueError(f"vjpmpi.nn.{layer}: pass `key=` (or build the layer with "
+                         "`from_dense`)")
     return eqx.nn.Linear(in_features, out_features, use_bias, key=key)
 
 
@@ -39,8 +45,8 @@ class _ShardedLinear(eqx.Module):
     _axis = 0
 
     def _shard(self, in_features, out_features, use_bias, key, dense, comm):
-        dense = _dense(in_features, out_features, use_bias, key, dense)
         layer, axis = type(self).__name__, self._axis
+        dense = _dense(layer, in_features, out_features, use_bias, key, dense)
         self.comm = comm_ref(comm, layer)
         start, stop = block((out_features, in_features)[axis], self.comm, layer,
                             ("out_features", "in_features")[axis])
@@ -117,8 +123,8 @@ class ColumnParallelLinear(_ShardedLinear):
             whatever `use_bias` says, and `in_features`, `out_features` must be its own.
 
     Raises:
-        ValueError: neither `key` nor `dense` is given, or `out_features` is not
-            divisible by the communicator's size.
+        ValueError: neither `key` nor `dense` is given, `dense` has a weight of shape other than `(out_features, in_features)`,
+            or `out_features` is not divisible by the communicator's size.
         TypeError: `comm` is not an mpi4py intracommunicator or None.
 
     Shape:
@@ -217,8 +223,8 @@ class RowParallelLinear(_ShardedLinear):
             whatever `use_bias` says, and `in_features`, `out_features` must be its own.
 
     Raises:
-        ValueError: neither `key` nor `dense` is given, or `in_features` is not
-            divisible by the communicator's size.
+        ValueError: neither `key` nor `dense` is given, `dense` has a weight of shape other than `(out_features, in_features)`,
+            or `in_features` is not divisible by the communicator's size.
         TypeError: `comm` is not an mpi4py intracommunicator or None.
 
     Shape:
