@@ -10,11 +10,12 @@ import threading
 from typing import Callable, NoReturn, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from . import _jax_compat as jc
 from . import _kernels
-from ._mpi import CommRef
-from ._primitive import SPEC_OF
+from ._mpi import CommRef, DeviceCommRef
+from ._primitive import DYNAMIC, RANK_SLOTS, SPEC_OF
 
 _IN_CALLBACK = (
     "vjpmpi.{op}: called from inside a host callback (jax.pure_callback, io_callback or "
@@ -106,10 +107,38 @@ def enter(prim: jc.Primitive, comm: CommRef, *, invalid: str | None = None,
 
 
 def run(prim: jc.Primitive, args: Sequence, comm: CommRef, params: dict) -> list:
-    """Bind `prim` on `args` with the parameters `enter` gave: in the trace, or eagerly."""
+    """Bind `prim` on `args` with the parameters `enter` gave: in the trace, or eagerly.
+    On a device communicator, arrays that do not vary over its axis are cast to (each
+    device's call is its own), and ranks that each device computes go into the `ranks`
+    operand."""
     if not jc.outside_traces():
+        if isinstance(comm, DeviceCommRef):
+            if jc.check_vma():
+                args = [a if comm.axis in jc.vma_of(jax.typeof(a)) else jc.pvary(a, (comm.axis,))
+                        for a in args]
+            params, ranks = _ranks_operand(SPEC_OF[prim], params)
+            args = [*args, *ranks]
         return prim.bind(*args, comm=comm, **params)
     return eager(prim, {"comm": comm, **params})(*args)
+
+
+def _ranks_operand(spec, params: dict) -> tuple[dict, list]:
+    """`params` with each rank that is a traced value replaced by its `DYNAMIC` entry, and
+    the `ranks` operand holding the three ranks ([] where every rank is static)."""
+    entries, dynamic = [0, 0, 0], False
+    out = dict(params)
+    for name, attr in spec.params.items():
+        slot = RANK_SLOTS.get(attr)
+        if slot is None or name not in params:
+            continue
+        v = params[name]
+        if isinstance(v, int):
+            entries[slot] = v
+        else:
+            entries[slot], out[name], dynamic = v, DYNAMIC[slot], True
+    if not dynamic:
+        return params, []
+    return out, [jnp.stack([jnp.asarray(e, jnp.int32) for e in entries])]
 
 
 def bind(prim: jc.Primitive, args: Sequence, comm: CommRef, **params) -> list:

@@ -1,9 +1,12 @@
-"""Which accelerator a rank should use: one GPU per rank on each node."""
+"""Devices and ranks: which accelerator a rank should use (one GPU per rank on each node),
+and communicators whose ranks are the devices of a `shard_map` (`device_comm`)."""
 
 from __future__ import annotations
 
 import jax
 from mpi4py import MPI
+
+from . import _jax_compat as jc
 
 
 def node_local_rank(comm: MPI.Intracomm | None = None) -> int:
@@ -56,3 +59,126 @@ def local_device(backend: str = "gpu", comm: MPI.Intracomm | None = None):
     """
     devices = jax.local_devices(backend=backend)
     return devices[node_local_rank(comm) % len(devices)]
+
+
+class DeviceComm:
+    """A communicator whose ranks are devices: made by `device_comm`, passed as `comm=`.
+
+    Inside a `jax.shard_map` body over a mesh with axis `axis_name` (`D` devices along it
+    in each process), its ranks are those devices in every process of the process
+    communicator `comm`: `comm.Get_size() * D` of them, a device's rank
+    `comm.Get_rank() * D + jax.lax.axis_index(axis_name)`.
+
+    Attributes:
+        axis_name (str): the mesh axis whose devices are the ranks.
+        comm (MPI.Intracomm): the process communicator.
+        local_size (int): the devices per process, `D`.
+        size (int): the number of ranks, `comm.Get_size() * D`.
+        rank (jax.Array): this device's rank, an int32 scalar traced in the shard_map
+            body (each device's own).
+    """
+
+    def __init__(self, ref):
+        self._device_ref = ref
+
+    @property
+    def axis_name(self) -> str:
+        return self._device_ref.axis
+
+    @property
+    def comm(self):
+        return self._device_ref.comm
+
+    @property
+    def local_size(self) -> int:
+        return self._device_ref.local
+
+    @property
+    def size(self) -> int:
+        return self._device_ref.size
+
+    @property
+    def rank(self):
+        return self._device_ref.rank
+
+    def Get_size(self) -> int:  # noqa: N802 (mpi4py's name)
+        """The number of ranks (`size`), as mpi4py's communicators name it."""
+        return self.size
+
+    def Get_rank(self):  # noqa: N802 (mpi4py's name)
+        """This device's rank (`rank`, traced), as mpi4py's communicators name it."""
+        return self.rank
+
+    def __repr__(self) -> str:
+        return (f"DeviceComm(axis_name={self.axis_name!r}, size={self.size}, "
+                f"local_size={self.local_size})")
+
+
+def device_comm(axis_name: str, comm: MPI.Intracomm | None = None) -> DeviceComm:
+    """A communicator whose ranks are the devices along a mesh axis, in every process.
+
+    Call it inside a `jax.shard_map` body over a mesh of this process's devices with an
+    axis `axis_name` of `D` devices: the communicator's ranks are those devices in each
+    process of `comm` (size `comm.Get_size() * D`; a device's rank
+    `comm.Get_rank() * D + axis_index(axis_name)`). Every vjpmpi op and `vjpmpi.nn` layer
+    takes it as `comm=`: a program written per rank runs as P processes of D devices as it
+    runs as P * D processes of one. Devices of one process exchange through memory, devices
+    of different processes through MPI; each group of devices along the axis (one per
+    combination of the mesh's other axes) is a communicator of its own. Ranks that name
+    peers (`root`, `dest`, `source`) may be traced values (each device's own, computed
+    from its `rank`). On a device communicator, `gather` gives every device the stacked
+    shape (zeros off the root) and `scatter` takes it on every device.
+
+    The axis name is extended across processes for the rest of the process: JAX's implicit
+    sums over it (the transposes of `pvary`) sum over every process's devices, as
+    `vjpmpi.lax.psum` does.
+
+    Args:
+        axis_name (str): a mesh axis of the `shard_map` being traced.
+        comm (MPI.Intracomm | None): the process communicator (None: vjpmpi's default
+            communicator).
+
+    Returns:
+        (DeviceComm): The device communicator.
+
+    Raises:
+        ValueError: outside a `jax.shard_map` body, or when the mesh there has no axis
+            `axis_name` (or JAX does not map it manually).
+        TypeError: when `axis_name` is not a string, or `comm` is not an mpi4py
+            intracommunicator or None.
+
+    Example:
+        ```python
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, PartitionSpec as P
+        from mpi4py import MPI
+        import vjpmpi
+
+        mesh = Mesh(np.array(jax.local_devices()), ("d",))
+        def body(x):
+            comm = vjpmpi.device_comm("d")
+            return vjpmpi.allreduce(x * comm.rank, MPI.SUM, comm=comm)
+        n = len(mesh.devices)
+        y = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(
+            jnp.ones(n))
+        size = MPI.COMM_WORLD.Get_size() * n
+        assert (y == size * (size - 1) / 2).all()  # the sum of every device's rank
+        ```
+    """
+    from ._mpi import DeviceCommRef, as_comm
+
+    if not isinstance(axis_name, str):
+        raise TypeError(f"vjpmpi.device_comm: argument 'axis_name' must be a mesh axis name "
+                        f"(a str), got {type(axis_name).__name__}")
+    local = jc.manual_axis_size(axis_name)
+    if local is None:
+        raise ValueError(
+            f"vjpmpi.device_comm: no mesh axis '{axis_name}' of a jax.shard_map here (its "
+            "ranks are a shard_map's devices: call it inside the shard_map body, with an "
+            "axis of its mesh)")
+    EXTENDED_AXES.add(axis_name)
+    return DeviceComm(DeviceCommRef(as_comm(comm, "device_comm"), axis_name, local))
+
+
+# Mesh axes that device communicators (and vjpmpi.lax) extend across processes.
+EXTENDED_AXES: set[str] = set()

@@ -40,7 +40,7 @@ with what each is for and the JAX versions with a public home:
 Of these 22, JAX 0.7.1 runs 19 (`abstract_token`, `JaxprStackFrame`, `new_eqn_recipe`
 public), 0.10 19 (`Effect`, `jaxprs_in_params`, `set_current_trace`), 0.12 17 (those
 three, `abstract_token`, `new_eqn_recipe`). Undocumented attributes of public objects:
-a lowering context's `module_context.axis_context` (`program_devices`) and
+a lowering context's `module_context.axis_context` (`lowering_devices`) and
 `module_context.lowering_parameters.for_export` (`lowering_for_export`).
 """
 
@@ -52,6 +52,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.core import ShapedArray, eval_jaxpr
 from jax.extend import core as _extend_core
 from jax.extend import source_info_util
@@ -62,9 +63,11 @@ from jax.interpreters.ad import (Zero, instantiate_zeros, is_undefined_primal, p
                                  primitive_transposes)
 from jax.interpreters.batching import primitive_batchers
 from jax.interpreters.mlir import register_lowering
+from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo as hlo
 
 # no public module re-exports these (the module docstring says what each is for)
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import effects as _effects
 from jax._src import source_info_util as _source_info
@@ -80,7 +83,9 @@ __all__ = [
     "primitive_jvps", "primitive_transposes", "primitive_batchers", "register_lowering",
     "abstract_token", "no_effects", "jaxprs_in_params", "outside_traces", "user_frames",
     "Effect", "cpu_client_started", "install", "keep_alive_in_dce", "keep_in_partial_eval",
-    "chain_token", "set_chain_token", "program_devices", "lowering_for_export", "ClosedJaxpr",
+    "chain_token", "set_chain_token", "lowering_devices", "lowering_for_export", "ClosedJaxpr",
+    "check_vma", "vma_of", "with_vma", "pvary", "device_where", "lower_fun", "axis_rank",
+    "manual_axis_size",
     "inside_host_callback", "exported_text", "call_exported_p", "trace_state", "eval_jaxpr",
 ]
 
@@ -342,14 +347,93 @@ def set_chain_token(ctx: mlir.LoweringRuleContext, effect, token) -> None:
     ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({effect: token})))
 
 
-def program_devices(ctx: mlir.LoweringRuleContext) -> int:
-    """How many devices the program being lowered runs on (>1: a multi-device jit
-    sharding, shard_map or pmap; `axis_context.num_devices` or `.mesh`)."""
+def lowering_devices(ctx: mlir.LoweringRuleContext) -> tuple:
+    """Where the program being lowered runs: `("one", 1)` (one device), `("auto", n)` (a
+    jit over n devices, partitioned by XLA), `("manual", mesh, manual_axes)` (inside a
+    `shard_map` over `mesh`), `("replica", n)` (pmap). Reads the context's
+    `module_context.axis_context` (its class's name: ShardingContext, SPMDAxisContext,
+    ReplicaAxisContext)."""
     axis = ctx.module_context.axis_context
-    n = getattr(axis, "num_devices", None)
-    if n is None and getattr(axis, "mesh", None) is not None:
-        n = axis.mesh.size
-    return int(n or 1)
+    kind = type(axis).__name__
+    if kind == "SPMDAxisContext":
+        return "manual", axis.mesh, frozenset(axis.manual_axes)
+    if kind == "ReplicaAxisContext":
+        return "replica", int(getattr(axis.axis_env, "nreps", 0) or 0)
+    n = int(getattr(axis, "num_devices", 1) or 1)
+    return ("one" if n == 1 else "auto"), n
+
+
+def device_where(ranks_operand, root: int, dest: int, source: int):
+    """The `where` operand (int32[4]) of a device call being lowered: the device's
+    partition (`partition_id`), then the call's root, destination and source: the int32[3]
+    operand `ranks_operand` where they are each device's own, else these constants."""
+    i32 = ir.IntegerType.get_signless(32)
+    pid = hlo.convert(ir.RankedTensorType.get([], i32), hlo.partition_id())
+    pid = hlo.reshape(ir.RankedTensorType.get([1], i32), pid)
+    if ranks_operand is None:
+        ranks_operand = hlo.constant(ir.DenseElementsAttr.get(
+            np.array([root, dest, source], np.int32)))
+    return hlo.concatenate([pid, ranks_operand], ir.IntegerAttr.get(
+        ir.IntegerType.get_signless(64), 0))
+
+
+def lower_fun(fn: Callable, ctx: mlir.LoweringRuleContext, args) -> list:
+    """Lower `fn` on the operands `args` of the equation being lowered (`mlir.lower_fun`:
+    traced at the equation's avals, tokens passed through)."""
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def axis_rank(axis: str, offset: int):
+    """`offset + jax.lax.axis_index(axis)`, int32 (a device's rank inside shard_map)."""
+    return jax.lax.axis_index(axis).astype(np.int32) + np.int32(offset)
+
+
+def manual_axis_size(axis: str) -> int | None:
+    """The size of mesh axis `axis` of the shard_map being traced (None: no such manual
+    axis here)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(getattr(mesh, "axis_names", ()) or ())
+    if axis not in names:
+        return None
+    types = getattr(mesh, "axis_types", None)
+    if types is not None:
+        kind = dict(zip(names, types)).get(axis)
+        if kind is not None and "Manual" not in str(kind):
+            return None
+    return int(mesh.shape[axis])
+
+
+def check_vma() -> bool:
+    """Whether the `shard_map` being traced types values by the mesh axes they vary over
+    (JAX's default `check_vma=True`); `jax._src.config._check_vma`."""
+    return bool(_config._check_vma.value)
+
+
+def vma_of(aval) -> frozenset:
+    """The mesh axes a value varies over inside `shard_map` (empty elsewhere): JAX 0.7's
+    `aval.vma`, from 0.8 `aval.mat.varying`."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def with_vma(aval, vma: frozenset):
+    """`aval` varying over the mesh axes `vma` (`aval.update`, as JAX's own rules)."""
+    if vma == vma_of(aval) or not hasattr(aval, "update"):
+        return aval
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return aval.update(manual_axis_type=mat.update(varying=frozenset(vma)))
+    return aval.update(vma=frozenset(vma))
+
+
+def pvary(x, axes: tuple):
+    """`x` cast to vary over the mesh axes `axes` (no data moves): `jax.lax.pvary` to JAX
+    0.7, `jax.lax.pcast(..., to="varying")` from 0.8."""
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)
 
 
 def lowering_for_export(ctx: mlir.LoweringRuleContext) -> bool:

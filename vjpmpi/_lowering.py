@@ -15,7 +15,8 @@ from . import _jax_compat as jc
 from . import _kernels
 from ._mpi import ANY_TAG, RED_NAMES
 from ._ordering import unchained
-from ._primitive import FFI_ATTRS, ORDERED, Collective
+from . import _placement
+from ._primitive import FFI_ATTRS, ORDERED, RANK_SLOTS, Collective, dynamic_ranks
 
 # Every call's attributes, in the order of the kernels' `call` array (csrc/bindings.h).
 CALL_ATTRS = ("comm", *FFI_ATTRS, "site", "sig", "invalid")
@@ -71,7 +72,7 @@ def _site(ctx, spec: Collective, params) -> int:
         f"{call} on {avals or 'no data'}{stage} at {_user_frame()}")
 
 
-def lower(ctx, *args, spec: Collective, **params):
+def lower(ctx, *args, prim, spec: Collective, **params):
     """Lower to `vjpmpi_<target>`, taking the program's chain token and handing on the next.
 
     The chain runs through every collective of the program in program order, into and
@@ -83,14 +84,34 @@ def lower(ctx, *args, spec: Collective, **params):
         if token is not None:
             jc.set_chain_token(ctx, ORDERED, token)
         return list(args)
+    where = None if spec.local else _placement.placement(ctx, spec.name, params["comm"])
+    if where == "auto":  # several devices, partitioned by XLA: each device calls on its part
+        return _placement.wrap(ctx, prim, spec, params, args)
+    dynamic = dynamic_ranks(params)
+    arrays = list(args[:-1] if dynamic else args)
+    avals_in = list(ctx.avals_in[:len(arrays)])
     aliases = {}
     if spec.alias is not None:
         i, j = spec.alias
-        a, b = ctx.avals_in[i], ctx.avals_out[j]
+        a, b = avals_in[i], ctx.avals_out[j]
         if a.shape == b.shape and a.dtype == b.dtype:
             aliases = {i: j}
-    return chained_call(ctx, spec, f"vjpmpi_{spec.ffi_target()}", args, ctx.avals_in,
-                        ctx.avals_out, ffi_attrs(ctx, spec, params), aliases)
+    attrs = ffi_attrs(ctx, spec, params)
+    target = f"vjpmpi_{spec.ffi_target()}"
+    if where is None:
+        return chained_call(ctx, spec, target, arrays, avals_in, ctx.avals_out, attrs, aliases)
+    # a device call: `where` first (the device's partition, then the call's ranks)
+    static = dict.fromkeys(RANK_SLOTS.values(), 0)
+    for name, attr in spec.params.items():
+        if attr in RANK_SLOTS and not dynamic:
+            static[RANK_SLOTS[attr]] = int(params[name])
+    w = jc.device_where(args[-1] if dynamic else None, static[0], static[1], static[2])
+    attrs["dev"] = where.attribute(params.get("level", 1))
+    return chained_call(ctx, spec, target + "_dev", [w, *arrays], [_WHERE, *avals_in],
+                        ctx.avals_out, attrs, {i + 1: j for i, j in aliases.items()})
+
+
+_WHERE = jc.ShapedArray((4,), np.int32)
 
 
 def chained_call(ctx, spec: Collective, target: str, args, avals_in, avals_out, attrs: dict,
@@ -141,7 +162,7 @@ def ffi_attrs(ctx, spec: Collective, params) -> dict:
 
 def _chain_start(ctx, spec: Collective):
     """The chain's token for a call of `spec` being lowered, after the checks that the
-    program can run it (platform, backend built, one device per process)."""
+    program can run it (platform, backend built)."""
     platforms = set(ctx.module_context.platforms)
     for other in sorted(platforms - {"cpu", "cuda"}):
         raise NotImplementedError(
@@ -158,13 +179,6 @@ def _chain_start(ctx, spec: Collective):
             "was found at build time), so it cannot run on a GPU. Rebuild it on a machine "
             "with the CUDA headers: VJPMPI_CUDA=1 pip install --no-cache-dir --force-reinstall "
             "vjpmpi")
-    devices = jc.program_devices(ctx)
-    if devices > 1:
-        raise NotImplementedError(
-            f"vjpmpi.{spec.name}: the program being compiled runs on {devices} devices of "
-            "this process (a multi-device sharding, shard_map or pmap); vjpmpi runs one "
-            "collective per process, so each device would call MPI on its own. Use one "
-            "device per MPI rank (see vjpmpi.local_device()).")
     token = jc.chain_token(ctx, ORDERED)
     if token is None:
         raise unchained(spec.name, ctx.name_stack)

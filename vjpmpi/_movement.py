@@ -14,8 +14,9 @@ import jax.numpy as jnp
 
 from ._bind import bind, refuse_here
 from ._derive import call, define, partner
-from ._mpi import SUM, as_comm
+from ._mpi import SUM, DeviceCommRef, as_comm
 from ._primitive import PRIMITIVES, Collective, is_root, like, with_shape
+from ._rules import device_comm, on_root
 from ._validate import array, check_rank_axis, rank
 
 __all__ = ["bcast", "allgather", "gather", "scatter", "alltoall"]
@@ -27,7 +28,7 @@ _ROOT = {"root": "root"}
 def _t_bcast(cts, args, p):  # y_r = x_root everywhere; other ranks' x unused
     (ct,) = cts
     total = call("reduce", ct, p, red=SUM)  # a collective: every rank takes part
-    return [total if is_root(p) else jnp.zeros_like(ct)]
+    return [on_root(p, total, jnp.zeros_like(ct))]
 
 
 define(Collective("bcast", like(0), _ROOT, alias=(0, 0), transpose=_t_bcast))
@@ -136,18 +137,25 @@ def allgather(x, *, comm=None):
 
 
 # ------------------------------------------------------------------- gather --
+def _stacked(params) -> bool:
+    """Whether this rank's gather result (scatter operand) is stacked over the ranks: the
+    root's; every device's on a device communicator (one shape for all: zeros off the
+    root)."""
+    return device_comm(params) or is_root(params)
+
+
 def _gather_out(params, x):
-    return [with_shape(x, (params["comm"].size, *x.shape))] if is_root(params) else [x]
+    return [with_shape(x, (params["comm"].size, *x.shape))] if _stacked(params) else [x]
 
 
-def _t_gather(cts, args, p):  # y_root = stack(x_s), y_r = x_r elsewhere
+def _t_gather(cts, args, p):  # y_root = stack(x_s), y_r = x_r elsewhere (devices: 0)
     (ct,) = cts
     block = call("scatter", ct, p)
-    return [block if is_root(p) else block + ct]
+    return [block if device_comm(p) or is_root(p) else block + ct]
 
 
 define(Collective("gather", _gather_out, _ROOT, alias=(0, 0),
-                  rank_axis=lambda p: (False, is_root(p)), transpose=_t_gather))
+                  rank_axis=lambda p: (False, _stacked(p)), transpose=_t_gather))
 
 
 def gather(x, root, *, comm=None):
@@ -190,17 +198,17 @@ def gather(x, root, *, comm=None):
 
 # ------------------------------------------------------------------ scatter --
 def _scatter_out(params, x):  # (a refused root's input may lack the rank axis)
-    return [with_shape(x, x.shape[1:])] if is_root(params) and x.ndim else [x]
+    return [with_shape(x, x.shape[1:])] if _stacked(params) and x.ndim else [x]
 
 
 def _t_scatter(cts, args, p):  # y_r = x_root[r]; other ranks' x is a template
     (ct,) = cts
-    g = call("gather", ct, p)
-    return [g if is_root(p) else jnp.zeros(args[0].aval.shape, args[0].aval.dtype)]
+    g = call("gather", ct, p)  # (devices: zeros off the root already)
+    return [g if _stacked(p) else jnp.zeros(args[0].aval.shape, args[0].aval.dtype)]
 
 
 define(Collective("scatter", _scatter_out, _ROOT, alias=(0, 0),
-                  rank_axis=lambda p: (is_root(p), False), transpose=_t_scatter))
+                  rank_axis=lambda p: (_stacked(p), False), transpose=_t_scatter))
 
 
 def scatter(x, root, *, comm=None) -> jax.Array:
@@ -242,7 +250,9 @@ def scatter(x, root, *, comm=None) -> jax.Array:
     root = rank(root, c, "scatter", "root")
     # Only the root can check its input: it raises here, and the ranks that wait in the
     # scatter for it stop there with its message (`_bind.refuse_here`).
-    if c.rank == root and (x.ndim == 0 or x.shape[0] != c.size):
+    if isinstance(c, DeviceCommRef):  # (every device passes the stacked shape)
+        check_rank_axis(x, c, "scatter")
+    elif c.rank == root and (x.ndim == 0 or x.shape[0] != c.size):
         refuse_here(c, "scatter", f"argument 'x' on the root (rank {root}) must have a "
                     f"leading axis of length comm size {c.size}, got shape {tuple(x.shape)}",
                     root=root)

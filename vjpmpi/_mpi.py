@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from . import _jax_compat as jc
 from . import _kernels  # (loads the kernels: their reduction and dtype tables)
 
-__all__ = ["CommRef", "as_comm", "as_red", "check_dtype", "check_red_dtype", "RED_NAMES"]
+__all__ = ["CommRef", "DeviceCommRef", "as_comm", "as_red", "check_dtype", "check_red_dtype", "RED_NAMES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,37 @@ class CommRef:
 
     def __repr__(self) -> str:
         return f"CommRef(#{self.id}, size={self.size}, rank={self.rank})"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCommRef:
+    """A device communicator (`vjpmpi.device_comm`) as a static parameter: the process
+    communicator `base`, the mesh axis whose devices are its ranks and their number per
+    process, `local`. Rank `base.rank * local + axis index`, size `base.size * local`."""
+
+    base: CommRef
+    axis: str
+    local: int
+
+    @property
+    def id(self) -> int:  # (the kernels' number: the process communicator's)
+        return self.base.id
+
+    @property
+    def size(self) -> int:
+        return self.base.size * self.local
+
+    @property
+    def comm(self):
+        return self.base.comm
+
+    @property
+    def rank(self):
+        """This device's rank, traced: valid inside the shard_map (its axis index)."""
+        return jc.axis_rank(self.axis, self.base.rank * self.local)
+
+    def __repr__(self) -> str:
+        return f"DeviceCommRef(#{self.base.id}, axis={self.axis!r}, size={self.size})"
 
 
 def _int64(v: int) -> int:
@@ -116,6 +148,10 @@ _checked: dict[int, CommRef] = {}
 def as_comm(comm: Any, op: str) -> CommRef:
     """Validate `comm` for op `op` and return its static record (a record given, one
     resolved at the public edge already, is returned as it is)."""
+    if type(comm) is DeviceCommRef or hasattr(comm, "_device_ref"):  # (vjpmpi.device_comm)
+        ref = comm if type(comm) is DeviceCommRef else comm._device_ref
+        as_comm(ref.base, op)
+        return ref
     if type(comm) is CommRef:  # (its communicator validated when it was made)
         if MPI.Is_finalized():
             raise RuntimeError(f"vjpmpi.{op}: MPI has been finalized; no collective can run")

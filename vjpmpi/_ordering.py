@@ -17,7 +17,7 @@ from typing import Callable
 import jax
 
 from . import _jax_compat as jc
-from ._mpi import CommRef
+from ._mpi import CommRef, DeviceCommRef
 from ._primitive import (COLLECTIVES, ORDERED, SPEC_OF, Collective, contains_collective,
                          first_collective, members)
 
@@ -39,13 +39,27 @@ def mark(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
             "against the rest of the program; call it in a program of its own, or export "
             "the whole program.")
     sigs = signatures(jaxpr)
+    # (2: point-to-point calls between devices of a group, which may cross processes)
+    level = 2 if _device_p2p(jaxpr) else 1
 
     def own_params(eqn):
         if eqn.primitive not in COLLECTIVES:
             return None
-        return {"ordered": True, "sig": sigs.get(eqn.params["comm"], 0)}
+        return {"ordered": True, "sig": sigs.get(eqn.params["comm"], 0), "level": level}
 
     return mark_jaxpr(jaxpr, ORDERED, own_params, contains_collective, {})
+
+
+def _device_p2p(jaxpr: jc.Jaxpr) -> bool:
+    """Whether `jaxpr` (nested) holds a point-to-point call on a device communicator."""
+    for eqn in jaxpr.eqns:
+        spec = SPEC_OF.get(eqn.primitive)
+        if spec is not None:
+            if spec.point_to_point and isinstance(eqn.params["comm"], DeviceCommRef):
+                return True
+        elif any(_device_p2p(j) for j in jc.jaxprs_in_params(eqn.params) if contains_collective(j)):
+            return True
+    return False
 
 
 def _map_param(value, fn):

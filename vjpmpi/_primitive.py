@@ -22,6 +22,18 @@ from . import _jax_compat as jc
 # parameters its spec declares; each maps onto one of these, the others are lowered as 0.
 FFI_ATTRS = ("red", "root", "peer", "peer2", "tag", "tag2", "status", "reverse")
 
+# A rank parameter (root, dest, source) that each device computes itself (inside a
+# shard_map, from its axis index, on a device communicator): its value is one of these,
+# naming an entry of one more operand of the primitive, `ranks` (int32[3]: root,
+# destination, source; its last operand), which holds the call's three ranks.
+RANK_SLOTS = {"root": 0, "peer": 1, "peer2": 2}  # FFI attribute -> entry of `ranks`
+DYNAMIC = (-(1 << 40), -(1 << 40) - 1, -(1 << 40) - 2)  # entry 0, 1, 2
+
+
+def dynamic_ranks(params) -> bool:
+    """Whether a call with `params` takes its ranks from its `ranks` operand."""
+    return any(type(v) is int and v in DYNAMIC for v in params.values())
+
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
@@ -56,6 +68,11 @@ class Collective:
         host_only: the kernel exists for host memory only (no CUDA handler yet).
         describe: `params -> text`, how a call site names the call (default: the target
             and the parameters `_lowering` knows how to show), where one kernel serves several ops.
+        local: the kernel exchanges nothing with other ranks (`hold`): a program on several
+            devices runs the same kernel on each (no device call).
+        split: whether a call in a program that XLA partitions may take its arrays apart
+            along their per-rank block's axes (`_placement.layout`); False: whole on every
+            device.
     """
 
     name: str
@@ -74,6 +91,8 @@ class Collective:
     batch: Callable | None = None
     host_only: bool = False
     describe: Callable[[dict], str] | None = None
+    local: bool = False
+    split: bool = True
 
     def ffi_target(self) -> str | None:
         return self.name if self.target == "" else self.target
@@ -87,12 +106,13 @@ def like(i: int) -> Callable:
 
 
 def with_shape(aval, shape) -> jc.ShapedArray:
-    """`aval` with another shape (dtype and weak type kept)."""
-    return jc.ShapedArray(shape, aval.dtype, weak_type=aval.weak_type)
+    """`aval` with another shape (dtype, weak type and shard_map typing kept)."""
+    return aval.update(shape=tuple(shape))
 
 
 def is_root(params) -> bool:
-    """Whether this rank is the call's `root`."""
+    """Whether this rank is the call's `root` (a process communicator's: a device
+    communicator's rank is each device's own, `_rules.on_root`)."""
     return params["comm"].rank == params["root"]
 
 

@@ -21,8 +21,8 @@ from . import _jax_compat as jc
 from ._bind import bind
 from ._derive import call, define, partner
 from ._mpi import MAX, MIN, PROD, RED_NAMES, SUM, as_comm, as_red, check_red_dtype
-from ._primitive import PRIMITIVES, Collective, is_root, like, with_shape
-from ._rules import only_linear
+from ._primitive import PRIMITIVES, Collective, like, with_shape
+from ._rules import on_root, only_linear
 from ._validate import array, check_rank_axis, rank
 
 __all__ = ["allreduce", "reduce", "reduce_scatter", "scan", "exscan"]
@@ -74,7 +74,7 @@ def _jvp_sum_over_ranks(name, everywhere=lambda y, p: y):
             hit = x == everywhere(y, p)
             n = total(hit.astype(_count_dtype(p)), False)
             out = total(jnp.where(hit, t, 0), True) / n
-        return [out if "root" not in p or is_root(p) else t]
+        return [out if "root" not in p else on_root(p, out, t)]
     return jvp
 
 
@@ -163,7 +163,7 @@ def allreduce(x, op, *, comm=None):
 def _t_reduce(cts, args, p):  # y_root = sum_s x_s, y_r = x_r elsewhere
     (ct,) = cts
     b = call("bcast", ct, p)
-    return [b if is_root(p) else b + ct]
+    return [on_root(p, b, b + ct)]
 
 
 define(_reduction_spec("reduce", like(0),  # the root's result, on every rank:
@@ -291,7 +291,9 @@ def _jvp_exscan(reverse):
         through = (jnp.maximum if p["red"] == MAX else jnp.minimum)(y, x)
         s, n = _carried(y == through, x == through, t, p, reverse)
         first = p["comm"].rank == (p["comm"].size - 1 if reverse else 0)
-        return [s if first else s / n.astype(t.dtype)]  # s is 0 on the first rank
+        if isinstance(first, bool):
+            return [s if first else s / n.astype(t.dtype)]  # s is 0 on the first rank
+        return [jnp.where(first, s, s / jnp.where(first, 1, n).astype(t.dtype))]  # (devices)
     return jvp
 
 

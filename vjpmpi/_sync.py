@@ -74,7 +74,7 @@ def agree_on(shape, dtype, comm, op: str, *, note: str, invalid: str | None = No
 # The identity at this point of the program's order (no MPI call, no trace, never
 # asynchronous), opaque to XLA's fusion: vjpmpi.nn's pipeline holds values there;
 # transpose: itself. (Pairs with nothing: no part in the agreement.)
-define(Collective("hold", like(0), alias=(0, 0), transpose=partner("hold"),
+define(Collective("hold", like(0), alias=(0, 0), transpose=partner("hold"), local=True,
                   point_to_point=True))
 
 

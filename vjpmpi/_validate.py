@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _kernels
-from ._mpi import check_dtype
+from ._mpi import DeviceCommRef, check_dtype
 
 
 def array(x: Any, op: str, arg: str = "x"):
@@ -46,8 +46,18 @@ def as_int(value: Any, op: str, arg: str) -> int:
 
 
 def rank(value: Any, comm, op: str, arg: str, special: dict[int, str] | None = None) -> int:
-    """A rank of `comm` (or one of the `special` MPI constants) for argument `arg`."""
+    """A rank of `comm` (or one of the `special` MPI constants) for argument `arg`; on a
+    device communicator also a traced int scalar (each device's own: checked when it runs)."""
     special = special or {}
+    device = isinstance(comm, DeviceCommRef)
+    if device and isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, np.integer):
+        if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
+            raise TypeError(f"vjpmpi.{op}: argument '{arg}' must be an int or an integer "
+                            f"scalar, got {value.dtype}{list(value.shape)}")
+        return value
+    if device and MPI.ANY_SOURCE in special and value == MPI.ANY_SOURCE:
+        raise ValueError(f"vjpmpi.{op}: argument '{arg}'=MPI.ANY_SOURCE on a device "
+                         "communicator: name the rank it receives from")
     r = as_int(value, op, arg)
     if r in special or 0 <= r < comm.size:
         return r

@@ -22,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-#include "handler_ops.h"
+#include "device_ops.h"
 
 namespace vjpmpi {
 // A backend without a context of its own (the CPU) binds this: nothing to decode.
@@ -99,24 +99,26 @@ XLA_FFI_Error* Entry(XLA_FFI_CallFrame* frame) {
 // ------------------------------------------------ one array in, one out --
 struct UnaryOp {
   const char* name;
-  Impl fn;     // the MPI call (mpi_ops.h)
-  Count count;  // how its element count follows from the buffers
-  int uses;     // EntryFlags: kUsesRed, kUsesRoot, kWaitsForAll
+  Impl fn;          // the MPI call (mpi_ops.h)
+  GroupImpl group;  // a group's process part, where its ranks are devices (devices.h)
+  Count count;      // how its element count follows from the buffers
+  int uses;         // EntryFlags: kUsesRed, kUsesRoot, kWaitsForAll
 };
 constexpr int kRed = kUsesRed, kRoot = kUsesRoot, kAll = kWaitsForAll;
-inline constexpr UnaryOp kAllreduceOp{"allreduce", &Allreduce, Count::kIn, kRed | kAll};
-inline constexpr UnaryOp kReduceOp{"reduce", &Reduce, Count::kIn, kRed | kRoot};
-inline constexpr UnaryOp kBcastOp{"bcast", &Bcast, Count::kIn, kRoot};
-inline constexpr UnaryOp kAllgatherOp{"allgather", &Allgather, Count::kIn, kAll};
-inline constexpr UnaryOp kGatherOp{"gather", &Gather, Count::kIn, kRoot};
-inline constexpr UnaryOp kScatterOp{"scatter", &Scatter, Count::kOut, kRoot};
-inline constexpr UnaryOp kAlltoallOp{"alltoall", &Alltoall, Count::kInPerRank, kAll};
-inline constexpr UnaryOp kReduceScatterOp{"reduce_scatter", &ReduceScatter, Count::kOut,
-                                          kRed | kAll};
-inline constexpr UnaryOp kScanOp{"scan", &Scan, Count::kIn, kRed};
-inline constexpr UnaryOp kExscanOp{"exscan", &Exscan, Count::kIn, kRed};
-inline constexpr UnaryOp kOthersProductOp{"others_product", &OthersProduct, Count::kIn, kAll};
-inline constexpr UnaryOp kAgreeOp{"agree", &AgreeOnly, Count::kIn, 0};
+inline constexpr UnaryOp kAllreduceOp{"allreduce", &Allreduce, &DevAllreduce, Count::kIn, kRed | kAll};
+inline constexpr UnaryOp kReduceOp{"reduce", &Reduce, &DevReduce, Count::kIn, kRed | kRoot};
+inline constexpr UnaryOp kBcastOp{"bcast", &Bcast, &DevBcast, Count::kIn, kRoot};
+inline constexpr UnaryOp kAllgatherOp{"allgather", &Allgather, &DevAllgather, Count::kIn, kAll};
+inline constexpr UnaryOp kGatherOp{"gather", &Gather, &DevGather, Count::kIn, kRoot};
+inline constexpr UnaryOp kScatterOp{"scatter", &Scatter, &DevScatter, Count::kOut, kRoot};
+inline constexpr UnaryOp kAlltoallOp{"alltoall", &Alltoall, &DevAlltoall, Count::kInPerRank, kAll};
+inline constexpr UnaryOp kReduceScatterOp{"reduce_scatter", &ReduceScatter, &DevReduceScatter,
+                                          Count::kOut, kRed | kAll};
+inline constexpr UnaryOp kScanOp{"scan", &Scan, &DevScan, Count::kIn, kRed};
+inline constexpr UnaryOp kExscanOp{"exscan", &Exscan, &DevExscan, Count::kIn, kRed};
+inline constexpr UnaryOp kOthersProductOp{"others_product", &OthersProduct, &DevOthersProduct,
+                                          Count::kIn, kAll};
+inline constexpr UnaryOp kAgreeOp{"agree", &AgreeOnly, &DevAgreeOnly, Count::kIn, 0};
 
 // (x, token) -> (y, token)
 template <typename B, const UnaryOp& Op>
@@ -294,6 +296,86 @@ inline auto WaitSendBinding() {
       .Attr<int64_t>("slot");
 }
 
+// ------------------------------------------------------------ device calls --
+// (device_ops.h) Each one-device binding with `where` (int32[4]) first and the `dev`
+// attribute last.
+#define VJPMPI_DEV_PARAMS ffi::Span<const int64_t> dev
+template <typename Binding>
+auto WithDev(Binding b) {
+  return std::move(b).template Attr<ffi::Span<const int64_t>>("dev");
+}
+template <typename B>
+auto BindDev() {
+  return Bind<B>().template Arg<ffi::Buffer<ffi::S32>>();  // where
+}
+
+template <typename B, const UnaryOp& Op>
+Res<B> DevUnaryImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer x,
+                    ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                    VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS) {
+  return DevUnary<B::kAsync, Op.fn, Op.group, Op.count, Op.uses>(B::MakeMem(ctx), Op.name, where,
+                                                                 x, y, VJPMPI_ATTRS_OF, dev);
+}
+template <typename B>
+auto DevUnaryBinding() {  // (where, x, token) -> (y, token)
+  return WithDev(WithAttrs(BindDev<B>()
+                               .template Arg<ffi::AnyBuffer>()
+                               .template Arg<ffi::Token>()
+                               .template Ret<ffi::AnyBuffer>()
+                               .template Ret<ffi::Token>()));
+}
+template <typename B>
+Res<B> DevSendImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer x,
+                   ffi::Token, ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS) {
+  return DevP2PH<B::kAsync>(B::MakeMem(ctx), "send", where, &x, nullptr, nullptr,
+                            VJPMPI_ATTRS_OF, dev);
+}
+template <typename B>
+auto DevArgBinding() {  // (where, x, token) -> token
+  return WithDev(WithAttrs(BindDev<B>().template Arg<ffi::AnyBuffer>().template Arg<ffi::Token>()
+                               .template Ret<ffi::Token>()));
+}
+template <typename B>
+Res<B> DevRecvImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer t,
+                   ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                   VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS) {
+  return DevP2PH<B::kAsync>(B::MakeMem(ctx), "recv", where, nullptr, &t, y->untyped_data(),
+                            VJPMPI_ATTRS_OF, dev);
+}
+template <typename B>
+Res<B> DevSendrecvImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where,
+                       ffi::AnyBuffer x, ffi::AnyBuffer t, ffi::Token,
+                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS,
+                       VJPMPI_DEV_PARAMS) {
+  return DevP2PH<B::kAsync>(B::MakeMem(ctx), "sendrecv", where, &x, &t, y->untyped_data(),
+                            VJPMPI_ATTRS_OF, dev);
+}
+template <typename B>
+Res<B> DevRecurrenceImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where,
+                         ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Token,
+                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                         VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS) {
+  return DevRecurrenceH<B::kAsync>(B::MakeMem(ctx), where, a, b, y, VJPMPI_ATTRS_OF, dev);
+}
+template <typename B>
+auto DevBinaryBinding() {  // (where, a, b, token) -> (y, token)
+  return WithDev(WithAttrs(BindDev<B>()
+                               .template Arg<ffi::AnyBuffer>()
+                               .template Arg<ffi::AnyBuffer>()
+                               .template Arg<ffi::Token>()
+                               .template Ret<ffi::AnyBuffer>()
+                               .template Ret<ffi::Token>()));
+}
+template <typename B>
+Res<B> DevBarrierImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::Token,
+                      ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS) {
+  return DevBarrierH<B::kAsync>(B::MakeMem(ctx), where, VJPMPI_ATTRS_OF, dev);
+}
+template <typename B>
+auto DevTokenBinding() {  // (where, token) -> token
+  return WithDev(WithAttrs(BindDev<B>().template Arg<ffi::Token>().template Ret<ffi::Token>()));
+}
+
 // ------------------------------------------------------------ the table --
 // (name, XLA_FFI_Handler*): what the module's registrations() returns, in this order.
 using Registration = std::pair<const char*, void*>;
@@ -323,6 +405,24 @@ std::vector<Registration> Registrations() {
   add("others_product", &Entry<&UnaryImpl<B, kOthersProductOp>, &UnaryBinding<B>>);
   add("hold", &Entry<&HoldImpl<B>, &UnaryBinding<B>>);
   if constexpr (B::kAsync) {
+    // device calls (device_ops.h): host memory for now
+    add("allreduce_dev", &Entry<&DevUnaryImpl<B, kAllreduceOp>, &DevUnaryBinding<B>>);
+    add("reduce_dev", &Entry<&DevUnaryImpl<B, kReduceOp>, &DevUnaryBinding<B>>);
+    add("bcast_dev", &Entry<&DevUnaryImpl<B, kBcastOp>, &DevUnaryBinding<B>>);
+    add("allgather_dev", &Entry<&DevUnaryImpl<B, kAllgatherOp>, &DevUnaryBinding<B>>);
+    add("gather_dev", &Entry<&DevUnaryImpl<B, kGatherOp>, &DevUnaryBinding<B>>);
+    add("scatter_dev", &Entry<&DevUnaryImpl<B, kScatterOp>, &DevUnaryBinding<B>>);
+    add("alltoall_dev", &Entry<&DevUnaryImpl<B, kAlltoallOp>, &DevUnaryBinding<B>>);
+    add("reduce_scatter_dev", &Entry<&DevUnaryImpl<B, kReduceScatterOp>, &DevUnaryBinding<B>>);
+    add("scan_dev", &Entry<&DevUnaryImpl<B, kScanOp>, &DevUnaryBinding<B>>);
+    add("exscan_dev", &Entry<&DevUnaryImpl<B, kExscanOp>, &DevUnaryBinding<B>>);
+    add("agree_dev", &Entry<&DevUnaryImpl<B, kAgreeOp>, &DevUnaryBinding<B>>);
+    add("others_product_dev", &Entry<&DevUnaryImpl<B, kOthersProductOp>, &DevUnaryBinding<B>>);
+    add("send_dev", &Entry<&DevSendImpl<B>, &DevArgBinding<B>>);
+    add("recv_dev", &Entry<&DevRecvImpl<B>, &DevUnaryBinding<B>>);
+    add("sendrecv_dev", &Entry<&DevSendrecvImpl<B>, &DevBinaryBinding<B>>);
+    add("recurrence_dev", &Entry<&DevRecurrenceImpl<B>, &DevBinaryBinding<B>>);
+    add("barrier_dev", &Entry<&DevBarrierImpl<B>, &DevTokenBinding<B>>);
     add("ragged_alltoall", &Entry<&RaggedImpl<B>, &RaggedBinding<B>>);
     add("send_start", &Entry<&SendStartImpl<B>, &StartBinding<B>>);
     add("recv_start", &Entry<&RecvStartImpl<B>, &StartBinding<B>>);

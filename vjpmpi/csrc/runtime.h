@@ -12,12 +12,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "agree.h"
+#include "devices.h"
 #include "mpi_ops.h"
 
 namespace vjpmpi {
@@ -114,6 +116,10 @@ struct Runtime {
   };
   std::mutex watch_mutex;
   std::map<uint64_t, Watch> watched;
+  // Many devices per process (devices.h): each communicator's devices, by (its number,
+  // the number of devices of the programs that use them).
+  std::mutex devices_mutex;
+  std::map<std::pair<int64_t, int>, std::unique_ptr<DeviceSet>> devices;
   uint64_t next_watch = 1;
   std::once_flag watchdog_started;
 };
