@@ -41,6 +41,7 @@ from ._split import wait as wait  # noqa: E402
 from ._kernels import async_threshold as async_threshold  # noqa: E402
 from ._grid import ProcessGrid as ProcessGrid  # noqa: E402
 from . import fft as fft  # noqa: E402
+from . import lax as lax  # noqa: E402
 from ._devices import DeviceComm as DeviceComm  # noqa: E402
 from ._devices import device_comm as device_comm  # noqa: E402
 from ._devices import local_device as local_device  # noqa: E402

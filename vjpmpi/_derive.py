@@ -26,7 +26,7 @@ def make_primitive(spec: Collective) -> tuple[jc.Primitive, jc.Primitive]:
 
     def abstract_eval(*avals, ordered=False, sig=0, invalid=0, note=0, level=1, **params):
         arrays = avals[:-1] if dynamic_ranks(params) else avals  # (less `ranks`)
-        outs = [typed(o, arrays, params["comm"]) for o in spec.out_avals(params, *arrays)]
+        outs = [typed(spec, o, arrays, params) for o in spec.out_avals(params, *arrays)]
         return outs, {ORDERED} if ordered else jc.no_effects
 
     def lin_abstract_eval(*avals, **params):
@@ -58,12 +58,15 @@ def define(*specs: Collective) -> None:
         PRIMITIVES[spec.name], LINEARIZED_PRIMITIVES[spec.name] = make_primitive(spec)
 
 
-def typed(out, arrays, comm):
+def typed(spec: Collective, out, arrays, params):
     """A result's aval inside shard_map: varying over the mesh axes its operands vary over,
-    and a device communicator's axis (its ranks' results differ)."""
+    and a device communicator's axis (its ranks' results differ); `spec.varies` may say
+    otherwise."""
     vma = frozenset().union(*(jc.vma_of(a) for a in arrays))
-    if isinstance(comm, DeviceCommRef) and jc.check_vma():
-        vma |= {comm.axis}
+    if isinstance(params["comm"], DeviceCommRef) and jc.check_vma():
+        vma |= {params["comm"].axis}
+        if spec.varies is not None:
+            vma = spec.varies(params, vma)
     return jc.with_vma(out, vma)
 
 

@@ -85,7 +85,7 @@ __all__ = [
     "Effect", "cpu_client_started", "install", "keep_alive_in_dce", "keep_in_partial_eval",
     "chain_token", "set_chain_token", "lowering_devices", "lowering_for_export", "ClosedJaxpr",
     "check_vma", "vma_of", "with_vma", "pvary", "device_where", "lower_fun", "axis_rank",
-    "manual_axis_size",
+    "manual_axis_size", "named_axes",
     "inside_host_callback", "exported_text", "call_exported_p", "trace_state", "eval_jaxpr",
 ]
 
@@ -246,7 +246,7 @@ def _with_a_real_tangent(trace, tracers, tracer_type, tangent_trace):
 # zeros of `aval`, linear in (and independent of) its operand (a zero cotangent back)
 linear_zeros_p = Primitive("vjpmpi_linear_zeros")
 linear_zeros_p.def_impl(lambda anchor, *, aval: _zeros(aval))
-linear_zeros_p.def_abstract_eval(lambda anchor, *, aval: ShapedArray(aval.shape, aval.dtype))
+linear_zeros_p.def_abstract_eval(lambda anchor, *, aval: aval)  # (its shard_map typing too)
 mlir.register_lowering(linear_zeros_p, mlir.lower_fun(lambda anchor, *, aval: _zeros(aval),
                                                       multiple_results=False))
 ad.primitive_jvps[linear_zeros_p] = lambda primals, tangents, *, aval: (_zeros(aval), ad.Zero(aval))
@@ -501,18 +501,94 @@ def exported_text(exported) -> str:
     return str(exported.mlir_module())
 
 
+def _extend_axes(extended: Callable, psum: Callable) -> None:
+    """JAX's implicit sums over a mesh axis that vjpmpi extends across processes
+    (`extended(axis)`) sum over every process's devices (`psum(x, axis)`): the transpose
+    of `pvary` (JAX's typing of a value replicated over the axis, under check_vma), and
+    shard_map's transpose without check_vma (which sums the cotangents of inputs not
+    split over an axis, through `lax_parallel.psum` in `jax._src.shard_map`, here a
+    wrapper module there only). Other axes' as before. Relies on `core.pvary_p` and its
+    `axes` parameter, `ad.primitive_transposes`, and shard_map looking `psum` up on its
+    module global `lax_parallel` at call time. Idempotent."""
+    from jax._src import shard_map as _shard_map
+
+    pvary_p = _core.pvary_p
+    original = ad.primitive_transposes[pvary_p]
+    if not getattr(original, "vjpmpi_guard", False):
+        def transpose(cts, *args, **params):
+            axes = tuple(params["axes"])
+            ext = [a for a in axes if extended(a)]
+            multi = pvary_p.multiple_results
+            if not ext or all(type(c) is Zero for c in (cts if multi else [cts])):
+                return original(cts, *args, **params)
+            local = tuple(a for a in axes if a not in ext)
+            out = list(cts) if multi else [cts]
+            out = [instantiate_zeros(c) for c in out]
+            if local:
+                out = list(original(out if multi else out[0], *args, **{**params, "axes": local}))
+            for a in ext:
+                out = [psum(c, a) for c in out]
+            return out
+
+        transpose.vjpmpi_guard = True
+        ad.primitive_transposes[pvary_p] = transpose
+
+    module = _shard_map.lax_parallel
+    if not getattr(module, "vjpmpi_guard", False):
+        class _Parallel:  # lax_parallel, with psum over extended axes across processes
+            vjpmpi_guard = True
+
+            def __getattr__(self, name):
+                return getattr(module, name)
+
+            @staticmethod
+            def psum(x, axis_name, *, axis_index_groups=None):
+                names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+                ext = [a for a in names if extended(a)]
+                if not ext or axis_index_groups is not None:
+                    return module.psum(x, axis_name, axis_index_groups=axis_index_groups)
+                local = tuple(a for a in names if a not in ext)
+                if local:
+                    x = module.psum(x, local)
+                for a in ext:
+                    x = jax.tree.map(lambda v, a=a: psum(v, a), x)
+                return x
+
+        _shard_map.lax_parallel = _Parallel()
+
+
+# JAX's named-axis collectives (primitive name -> the parameter naming its axes).
+_NAMED_COLLECTIVES = {"psum": "axes", "psum_invariant": "axes", "pmax": "axes", "pmin": "axes",
+                      "all_gather": "axis_name", "all_gather_invariant": "axis_name",
+                      "all_to_all": "axis_name", "reduce_scatter": "axis_name",
+                      "ppermute": "axis_name", "ragged_all_to_all": "axis_name",
+                      "psum_scatter": "axis_name"}
+
+
+def named_axes(eqn) -> tuple:
+    """The mesh axes a JAX named-axis collective equation `eqn` communicates over (none for
+    another equation)."""
+    key = _NAMED_COLLECTIVES.get(eqn.primitive.name)
+    if key is None:
+        return ()
+    axes = eqn.params.get(key, ())
+    return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+
+
 _installed = False
 
 
 def install(*, ordered, linearized, communicates: Callable,
             binds_collective: Callable, is_own: Callable, contains: Callable, mark: Callable,
-            unchained: Callable, batched_while: Callable) -> None:
+            unchained: Callable, batched_while: Callable, extended: Callable,
+            extended_psum: Callable) -> None:
     """Put vjpmpi's patches into JAX (the module docstring lists them), once; a second
     call does nothing. `ordered` / `linearized`: the chain's effect and that of tangent
     collectives; `communicates(eqn)`, `binds_collective(prim, params)`, `is_own(prim)`,
     `contains(jaxpr)`: what holds a collective; `mark(jaxpr)`: the program on the chain;
     `unchained(jaxpr, where)`: the error for a collective lowered off the chain;
-    `batched_while`: vmap of a loop whose condition communicates."""
+    `batched_while`: vmap of a loop whose condition communicates; `extended(axis)`: whether
+    vjpmpi extends a mesh axis across processes, `extended_psum(x, axis)` the sum there."""
     global _installed
     if _installed:
         return
@@ -529,4 +605,5 @@ def install(*, ordered, linearized, communicates: Callable,
     _track_host_callbacks()
     _ordered_lowering(ordered, mark, contains, unchained)
     _carry_while_predicate(contains, batched_while)
+    _extend_axes(extended, extended_psum)
     _installed = True

@@ -73,6 +73,9 @@ class Collective:
         split: whether a call in a program that XLA partitions may take its arrays apart
             along their per-rank block's axes (`_placement.layout`); False: whole on every
             device.
+        varies: `(params, vma) -> vma`, the mesh axes its results vary over inside
+            shard_map, from those of its operands and its device communicator's axis
+            (default: those).
     """
 
     name: str
@@ -93,6 +96,7 @@ class Collective:
     describe: Callable[[dict], str] | None = None
     local: bool = False
     split: bool = True
+    varies: Callable[[dict, frozenset], frozenset] | None = None
 
     def ffi_target(self) -> str | None:
         return self.name if self.target == "" else self.target
