@@ -118,6 +118,21 @@ ONLY_AT = {
     "mpi/test_runtime.py": (1, 2, 4),
     "mpi/test_api.py": (1, 2, 4),
 }
+# Many devices per process (tests/mpi/devices): each file runs in jobs of P processes with D
+# CPU devices each (XLA_FLAGS=--xla_force_host_platform_device_count=D), its table entries
+# keyed "PxD". At 3 processes with the check on, as JOB_ENV says.
+DEVICE_FILES = os.environ.get("VJPMPI_TEST_DEVICE_FILES", "mpi/devices").split()
+DEVICE_LAYOUTS = [tuple(int(v) for v in k.split("x")) for k in os.environ.get(
+    "VJPMPI_TEST_DEVICE_LAYOUTS", "2x1,2x2,2x4,3x1,3x2,3x4").split(",") if k]
+# The layouts each device file runs at (default: all of them).
+DEVICE_ONLY_AT: dict[str, tuple[tuple[int, int], ...]] = {}
+
+
+def device_env(ndev: int) -> dict[str, str]:
+    """The job environment of `ndev` CPU devices per process."""
+    return {"XLA_FLAGS": f"{RANK_ENV['XLA_FLAGS']} --xla_force_host_platform_device_count={ndev}"}
+
+
 # Jobs with more ranks than the machine has cores (3, 4 and 8 on CI's two): MPICH's
 # waits sleep (nanosleep) instead of spinning, so a rank that waits in a collective
 # leaves its core to a rank that still computes or compiles. Files that run hundreds of
@@ -197,9 +212,14 @@ def summarize(tests: dict[str, tuple[str, str]]) -> dict:
 
 
 def regenerate_hint(file, nprocs) -> str:
+    if "x" in str(nprocs):  # (a many-devices job)
+        select = (f"VJPMPI_TEST_DEVICE_FILES={file} VJPMPI_TEST_DEVICE_LAYOUTS={nprocs} "
+                  ".venv/bin/pytest tests/test_multirank.py -k test_devices")
+    else:
+        select = (f"VJPMPI_TEST_FILES={file} VJPMPI_TEST_RANKS={nprocs} "
+                  ".venv/bin/pytest tests/test_multirank.py")
     return (f"regenerate the entry with\n"
-            f"    VJPMPI_UPDATE_COUNTS=1 VJPMPI_TEST_FILES={file} VJPMPI_TEST_RANKS={nprocs} "
-            f".venv/bin/pytest tests/test_multirank.py\n"
+            f"    VJPMPI_UPDATE_COUNTS=1 {select}\n"
             f"  (or the whole table: VJPMPI_UPDATE_COUNTS=1 .venv/bin/pytest "
             f"tests/test_multirank.py) and review the diff of tests/{TABLE.name}")
 
@@ -336,6 +356,23 @@ class StartedJob:
     shown: dict[str, str]  # (its environment but for the shared-compiles folder)
     job: Job
     started: float
+    key: str = ""  # its table entries' key: the rank count, or "PxD" (devices per process)
+
+
+@pytest.mark.parametrize("layout", [pytest.param(f"{p}x{d}", marks=pytest.mark.quick)
+                                    if (p, d) == (2, 2) else f"{p}x{d}" for p, d in DEVICE_LAYOUTS])
+def test_devices(layout, tmp_path):
+    """The many-devices files (tests/mpi/devices) at P processes of D devices."""
+    nprocs, ndev = (int(v) for v in layout.split("x"))
+    files = [f for f in run_files(DEVICE_FILES)
+             if (nprocs, ndev) in DEVICE_ONLY_AT.get(f, DEVICE_LAYOUTS)]
+    if not files:
+        pytest.skip(f"no file of VJPMPI_TEST_DEVICE_FILES runs at {layout}")
+    env = {**shared_compiles(), **device_env(ndev),
+           **(OVERSUBSCRIBED_ENV if nprocs > CORES else {})}
+    started = start_job(nprocs, files, tmp_path / "job", [], env)
+    started.key = layout
+    compare_job(started)
 
 
 def start_job(nprocs, entries, tmp_path, extra=(), env=None) -> StartedJob:
@@ -356,6 +393,7 @@ def start_job(nprocs, entries, tmp_path, extra=(), env=None) -> StartedJob:
 def compare_job(started: StartedJob):
     """Wait for a job of the multi-rank suite; compare what ran with the table."""
     nprocs, tmp_path, shown = started.nprocs, started.tmp_path, started.shown
+    key = started.key or str(nprocs)
     files = run_files(started.entries)
     run = started.job.result()
     wall = time.monotonic() - started.started
@@ -386,25 +424,25 @@ def compare_job(started: StartedJob):
 
     measured = {f: summarize(per_rank[0][f]) for f in files}
     for f, entry in measured.items():
-        print(f"{nprocs} ranks: {f}: {entry['passed']} passed, {entry['skipped']} skipped "
+        print(f"{key} ranks: {f}: {entry['passed']} passed, {entry['skipped']} skipped "
               "on each rank")
 
     table = load_table()
     if UPDATE:
         for f, entry in measured.items():
-            table["counts"].setdefault(f, {})[str(nprocs)] = entry
-        table["counts"] = {f: dict(sorted(v.items(), key=lambda kv: int(kv[0])))
+            table["counts"].setdefault(f, {})[key] = entry
+        table["counts"] = {f: dict(sorted(v.items(), key=lambda kv: [int(n) for n in kv[0].split("x")]))
                            for f, v in sorted(table["counts"].items()) if (TESTS / f).exists()}
         TABLE.write_text(json.dumps(table, indent=1) + "\n")
-        print(f"VJPMPI_UPDATE_COUNTS: wrote {len(measured)} entries at {nprocs} ranks to {TABLE}")
+        print(f"VJPMPI_UPDATE_COUNTS: wrote {len(measured)} entries at {key} ranks to {TABLE}")
         return
     env_reasons = set(table["environment_skips"])
     problems = []
     for f in files:
-        problems += compare(f, nprocs, table["counts"].get(f, {}).get(str(nprocs)),
+        problems += compare(f, key, table["counts"].get(f, {}).get(key),
                             per_rank[0][f], env_reasons)
     if problems:
-        pytest.fail(f"tests run at {nprocs} ranks differ from {TABLE}:\n" + "\n".join(problems),
+        pytest.fail(f"tests run at {key} ranks differ from {TABLE}:\n" + "\n".join(problems),
                     pytrace=False)
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from . import _jax_compat as jc
 from . import _kernels
+from . import _placement
 from ._mpi import CommRef, DeviceCommRef
 from ._primitive import DYNAMIC, RANK_SLOTS, SPEC_OF
 
@@ -119,6 +120,9 @@ def run(prim: jc.Primitive, args: Sequence, comm: CommRef, params: dict) -> list
             params, ranks = _ranks_operand(SPEC_OF[prim], params)
             args = [*args, *ranks]
         return prim.bind(*args, comm=comm, **params)
+    sharded = _placement.sharded_call(prim, SPEC_OF[prim], {"comm": comm, **params}, args)
+    if sharded is not None:  # (each device its own part of the array)
+        return sharded
     return eager(prim, {"comm": comm, **params})(*args)
 
 

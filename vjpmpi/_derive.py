@@ -24,7 +24,8 @@ def make_primitive(spec: Collective) -> tuple[jc.Primitive, jc.Primitive]:
     lin = jc.Primitive(f"vjpmpi_{spec.name}_lin")
     LIN_OF[prim] = LIN_OF[lin] = lin
 
-    def abstract_eval(*avals, ordered=False, sig=0, invalid=0, note=0, level=1, **params):
+    def abstract_eval(*avals, ordered=False, sig=0, invalid=0, note=0, level=1, layout=0,
+                      **params):
         arrays = avals[:-1] if dynamic_ranks(params) else avals  # (less `ranks`)
         outs = [typed(spec, o, arrays, params) for o in spec.out_avals(params, *arrays)]
         return outs, {ORDERED} if ordered else jc.no_effects

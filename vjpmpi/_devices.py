@@ -176,9 +176,11 @@ def device_comm(axis_name: str, comm: MPI.Intracomm | None = None) -> DeviceComm
             f"vjpmpi.device_comm: no mesh axis '{axis_name}' of a jax.shard_map here (its "
             "ranks are a shard_map's devices: call it inside the shard_map body, with an "
             "axis of its mesh)")
-    EXTENDED_AXES.add(axis_name)
-    return DeviceComm(DeviceCommRef(as_comm(comm, "device_comm"), axis_name, local))
+    ref = DeviceCommRef(as_comm(comm, "device_comm"), axis_name, local)
+    EXTENDED_AXES[axis_name] = ref.base.size
+    return DeviceComm(ref)
 
 
-# Mesh axes that device communicators (and vjpmpi.lax) extend across processes.
-EXTENDED_AXES: set[str] = set()
+# Mesh axes that device communicators (and vjpmpi.lax) extend across processes, and over
+# how many processes (the last communicator's).
+EXTENDED_AXES: dict[str, int] = {}

@@ -503,13 +503,16 @@ def exported_text(exported) -> str:
 
 def _extend_axes(extended: Callable, psum: Callable) -> None:
     """JAX's implicit sums over a mesh axis that vjpmpi extends across processes
-    (`extended(axis)`) sum over every process's devices (`psum(x, axis)`): the transpose
-    of `pvary` (JAX's typing of a value replicated over the axis, under check_vma), and
-    shard_map's transpose without check_vma (which sums the cotangents of inputs not
-    split over an axis, through `lax_parallel.psum` in `jax._src.shard_map`, here a
-    wrapper module there only). Other axes' as before. Relies on `core.pvary_p` and its
-    `axes` parameter, `ad.primitive_transposes`, and shard_map looking `psum` up on its
-    module global `lax_parallel` at call time. Idempotent."""
+    (`extended(axis)`: its processes, 0 for an axis it does not extend) sum over every
+    process's devices (`psum(x, axis)`): the transpose of `pvary` (JAX's typing of a value
+    replicated over the axis, under check_vma), and shard_map's transpose without
+    check_vma, which sums the cotangents of inputs not split over an axis (through
+    `lax_parallel.psum` in `jax._src.shard_map`, here a wrapper module there only) and
+    divides those of results not split over it by its size (here: its devices in every
+    process). Other axes' as before. Relies on `core.pvary_p` and its `axes` parameter,
+    `ad.primitive_transposes` (shard_map's in `ad.fancy_transposes` from 0.12, with the
+    same arguments), shard_map's `mesh`, `out_specs` and `check_vma` parameters, and its
+    module global `lax_parallel`, looked up at call time. Idempotent."""
     from jax._src import shard_map as _shard_map
 
     pvary_p = _core.pvary_p
@@ -555,6 +558,35 @@ def _extend_axes(extended: Callable, psum: Callable) -> None:
                 return x
 
         _shard_map.lax_parallel = _Parallel()
+
+    table = (ad.fancy_transposes if _shard_map.shard_map_p in getattr(ad, "fancy_transposes", {})
+             else ad.primitive_transposes)
+    original_sm = table[_shard_map.shard_map_p]
+    if not getattr(original_sm, "vjpmpi_guard", False):
+        def shard_map_transpose(out_cts, *args, **params):
+            mesh = params["mesh"]
+            ext = {a: extended(a) for a in mesh.axis_names if extended(a)}
+            if ext and not params.get("check_vma", True):
+                out_cts = [c if type(c) is Zero or jnp.dtype(c.dtype) == jax.dtypes.float0
+                           else c / np.prod([n for a, n in ext.items()
+                                             if a not in _mentioned(sp)])
+                           for sp, c in zip(params["out_specs"], out_cts)]
+            return original_sm(out_cts, *args, **params)
+
+        shard_map_transpose.vjpmpi_guard = True
+        table[_shard_map.shard_map_p] = shard_map_transpose
+
+
+def _mentioned(spec) -> set:
+    """The mesh axes a shard_map in/out spec splits over."""
+    spec = spec.to_ct_spec() if hasattr(spec, "to_ct_spec") else spec
+    out = set()
+    for entry in spec:
+        if isinstance(entry, (tuple, list)):
+            out.update(entry)
+        elif entry is not None:
+            out.add(entry)
+    return out
 
 
 # JAX's named-axis collectives (primitive name -> the parameter naming its axes).

@@ -432,7 +432,7 @@ def _no_local_collectives(jaxpr) -> None:
 LOWERING_CHECKS.append(_no_local_collectives)
 
 
-def extended(axis) -> bool:
-    """Whether vjpmpi extends mesh axis `axis` across processes (a device communicator or
-    `vjpmpi.lax` has used it)."""
-    return axis in EXTENDED_AXES
+def extended(axis) -> int:
+    """Over how many processes vjpmpi extends mesh axis `axis` (0: it does not; a device
+    communicator or `vjpmpi.lax` has used it)."""
+    return EXTENDED_AXES.get(axis, 0)

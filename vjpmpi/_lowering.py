@@ -16,7 +16,7 @@ from . import _kernels
 from ._mpi import ANY_TAG, RED_NAMES
 from ._ordering import unchained
 from . import _placement
-from ._primitive import FFI_ATTRS, ORDERED, RANK_SLOTS, Collective, dynamic_ranks
+from ._primitive import DYNAMIC, FFI_ATTRS, ORDERED, RANK_SLOTS, Collective, dynamic_ranks
 
 # Every call's attributes, in the order of the kernels' `call` array (csrc/bindings.h).
 CALL_ATTRS = ("comm", *FFI_ATTRS, "site", "sig", "invalid")
@@ -63,10 +63,12 @@ def _site(ctx, spec: Collective, params) -> int:
     if spec.describe is not None:
         call = spec.describe(params)
     else:
-        detail = [_DESCRIBE[k](params[k]) for k in spec.params if k in _DESCRIBE]
+        detail = [f"{k}=<each device's>" if params[k] in DYNAMIC else _DESCRIBE[k](params[k])
+                  for k in spec.params if k in _DESCRIBE]
         detail += ["from the last rank down"] if spec.fixed.get("reverse") else []
         call = f"{spec.ffi_target()}({', '.join(detail)})"
-    avals = ", ".join(f"{a.dtype}{list(a.shape)}" for a in ctx.avals_in)
+    n = len(ctx.avals_in) - (1 if dynamic_ranks(params) else 0)
+    avals = ", ".join(f"{a.dtype}{list(a.shape)}" for a in ctx.avals_in[:n])
     stage = " [backward]" if "transpose" in str(ctx.name_stack) else ""
     return _kernels.register_site(
         f"{call} on {avals or 'no data'}{stage} at {_user_frame()}")
@@ -106,7 +108,7 @@ def lower(ctx, *args, prim, spec: Collective, **params):
         if attr in RANK_SLOTS and not dynamic:
             static[RANK_SLOTS[attr]] = int(params[name])
     w = jc.device_where(args[-1] if dynamic else None, static[0], static[1], static[2])
-    attrs["dev"] = where.attribute(params.get("level", 1))
+    attrs["dev"] = where.attribute(params.get("level", 1), params.get("layout", 0))
     return chained_call(ctx, spec, target + "_dev", [w, *arrays], [_WHERE, *avals_in],
                         ctx.avals_out, attrs, {i + 1: j for i, j in aliases.items()})
 

@@ -30,6 +30,7 @@ def mark(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
     and every equation holding one, each collective's signature parameter set."""
     for check in LOWERING_CHECKS:
         check(jaxpr)
+    check_device_branches(jaxpr)
     own, exported = members(jaxpr)
     if exported and own + exported > 1:
         raise NotImplementedError(
@@ -41,13 +42,73 @@ def mark(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
     sigs = signatures(jaxpr)
     # (2: point-to-point calls between devices of a group, which may cross processes)
     level = 2 if _device_p2p(jaxpr) else 1
+    layouts: dict[int, int] = {}  # (a collective inside a shard_map: its mesh)
+    _shard_map_layouts(jaxpr, 0, layouts)
 
     def own_params(eqn):
         if eqn.primitive not in COLLECTIVES:
             return None
-        return {"ordered": True, "sig": sigs.get(eqn.params["comm"], 0), "level": level}
+        return {"ordered": True, "sig": sigs.get(eqn.params["comm"], 0), "level": level,
+                "layout": eqn.params.get("layout") or layouts.get(id(eqn), 0)}
 
     return mark_jaxpr(jaxpr, ORDERED, own_params, contains_collective, {})
+
+
+def check_device_branches(jaxpr: jc.Jaxpr, checked: bool = False) -> None:
+    """Refuse, when lowering, a branch or loop whose devices could make different
+    collectives on a device communicator: a `cond` whose predicate varies over its axis and
+    whose branches differ in their collectives there, a `while` whose condition varies over
+    it and whose body makes one (its devices would call different collectives, and those
+    that wait would wait for ever). Seen where JAX types values by the axes they vary over
+    (`checked`: inside a shard_map with check_vma)."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        inner = checked
+        if name == "shard_map":
+            inner = bool(eqn.params.get("check_vma", eqn.params.get("check_rep", False)))
+        subs = [j for j in jc.jaxprs_in_params(eqn.params)]
+        if checked and name in ("cond", "while") and any(contains_collective(j) for j in subs):
+            if name == "cond":
+                varies = jc.vma_of(eqn.invars[0].aval)
+                parts = [_structure(j) for j in subs]
+                bad = {c for part in parts for c in part
+                       if isinstance(c, DeviceCommRef) and c.axis in varies
+                       and any(p.get(c, ()) != parts[0].get(c, ()) for p in parts)}
+            else:
+                cond = eqn.params["cond_jaxpr"].jaxpr
+                varies = jc.vma_of(cond.outvars[0].aval)
+                bad = {c for j in subs for c in _structure(j)
+                       if isinstance(c, DeviceCommRef) and c.axis in varies}
+            if bad:
+                axis = sorted(c.axis for c in bad)[0]
+                raise ValueError(
+                    f"vjpmpi: a lax.{'cond' if name == 'cond' else 'while_loop'} whose "
+                    f"{'predicate' if name == 'cond' else 'condition'} varies over mesh axis "
+                    f"'{axis}' {'has different collectives in its branches' if name == 'cond' else 'makes collectives in its body'} "
+                    f"on a device communicator of that axis: its devices would call different "
+                    "collectives. Make the same collectives on every device (select the data "
+                    "with jnp.where, or compute the predicate from a reduction over the axis).")
+        for j in subs:
+            check_device_branches(j, inner)
+
+
+def _shard_map_layouts(jaxpr: jc.Jaxpr, layout: int, out: dict) -> None:
+    """{id(collective equation): the mesh of the shard_map it is in, hashed} (a call that
+    vjpmpi splits itself carries how in its own `layout` parameter: `_placement`)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in COLLECTIVES:
+            if layout:
+                out[id(eqn)] = layout
+            continue
+        inner = layout
+        if eqn.primitive.name == "shard_map":
+            mesh = eqn.params.get("mesh")
+            text = repr(tuple(getattr(mesh, "shape", {}).items()) if mesh is not None else ())
+            inner = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(),
+                                   "little", signed=True)
+        for j in jc.jaxprs_in_params(eqn.params):
+            if contains_collective(j):
+                _shard_map_layouts(j, inner, out)
 
 
 def _device_p2p(jaxpr: jc.Jaxpr) -> bool:
@@ -160,12 +221,22 @@ def _structure(jaxpr: jc.Jaxpr) -> dict[CommRef, tuple]:
                 seq[comm].extend(subs[0])
             elif name in ("while", "scan"):
                 seq[comm].append((name, eqn.params.get("length"), tuple(subs)))
+            elif name == "shard_map":  # (its devices' layout: processes must agree on it)
+                seq[comm].append((name, _layout(eqn.params), tuple(subs)))
             else:  # calls, remat, custom derivatives: their bodies, in order
                 for sub in subs:
                     seq[comm].extend(sub)
     out = {c: tuple(v) for c, v in seq.items()}
     STRUCTURES[jaxpr] = out
     return out
+
+
+def _layout(params) -> str:
+    """A shard_map's mesh and how its operands are split (its `mesh` and in/out specs)."""
+    mesh = params.get("mesh")
+    shape = tuple(getattr(mesh, "shape", {}).items()) if mesh is not None else ()
+    specs = [params.get(k) for k in ("in_specs", "out_specs", "in_names", "out_names")]
+    return repr((shape, *[s for s in specs if s is not None]))
 
 
 _DTYPE_NAMES: dict = {}

@@ -32,7 +32,8 @@ from mpi4py import MPI
 from . import _jax_compat as jc
 from ._mpi import DeviceCommRef
 
-__all__ = ["Placement", "placement", "auto_devices", "layout", "wrap", "needs_pairs"]
+__all__ = ["Placement", "placement", "auto_devices", "layout", "wrap", "needs_pairs",
+           "sharded_call"]
 
 # The split axis of an array that a call takes apart itself (`wrap`, eager calls).
 AXIS = "vjpmpi_devices"
@@ -51,10 +52,13 @@ class Placement:
     layout: int
     group: bool
 
-    def attribute(self, level: int) -> np.ndarray:
+    def attribute(self, level: int, split: int = 0) -> np.ndarray:
         """The `dev` attribute (csrc/device_ops.h); `level` 2: the program's point-to-point
-        calls cross processes between devices of a group (duplicates per device pair)."""
-        return np.array([self.parts, self.local, self.stride, self.layout, level,
+        calls cross processes between devices of a group (duplicates per device pair);
+        `split`: a hash of how the enclosing shard_map splits its arrays (the processes
+        agree on it with the layout)."""
+        layout = _hash(f"{self.layout}/{split}") if split else self.layout
+        return np.array([self.parts, self.local, self.stride, layout, level,
                          int(self.group)], np.int64)
 
 
@@ -122,12 +126,14 @@ def needs_pairs(comms) -> bool:
 
 
 # -------------------------------------- a call XLA partitions: split by devices --
-def layout(spec, params, avals_in, avals_out, parts: int, block_spec: tuple | None = None):
+def layout(spec, params, avals_in, avals_out, parts: int, block_spec: tuple | None = None,
+           axis_names=None):
     """`(in_specs, out_specs)` of a call of `spec` whose arrays each device takes a part of:
     one axis of the per-rank block (the operand's shape without the communicator's rank
     axis), split over the devices (`block_spec`: given, from a sharded array; else the
-    first axis whose length the `parts` devices divide), in every operand and result of
-    that block's shape; the others whole on every device."""
+    first axis whose length the `parts` devices divide, over the mesh axes `axis_names`),
+    in every operand and result of that block's shape; the others whole on every
+    device."""
     if getattr(spec, "split", True) is False or not avals_in:
         return tuple(P() for _ in avals_in), tuple(P() for _ in avals_out)
     in_ax, out_ax = spec.rank_axis(params)
@@ -135,7 +141,8 @@ def layout(spec, params, avals_in, avals_out, parts: int, block_spec: tuple | No
     block = tuple(first.shape[1:] if in_ax else first.shape)
     if block_spec is None:
         dims = [k for k, n in enumerate(block) if n and n % parts == 0]
-        block_spec = tuple(AXIS if dims and k == dims[0] else None for k in range(len(block)))
+        axis = AXIS if axis_names is None else axis_names
+        block_spec = tuple(axis if dims and k == dims[0] else None for k in range(len(block)))
     block_spec = tuple(block_spec) + (None,) * (len(block) - len(block_spec))
 
     def spec_of(aval, lead: int):
@@ -146,6 +153,16 @@ def layout(spec, params, avals_in, avals_out, parts: int, block_spec: tuple | No
     ins = tuple(spec_of(a, 1 if (i == 0 and in_ax) else 0) for i, a in enumerate(avals_in))
     outs = tuple(spec_of(a, 1 if (i == 0 and out_ax) else 0) for i, a in enumerate(avals_out))
     return ins, outs
+
+
+def _split_hash(spec, params, mesh, first) -> int:
+    """How a call split by vjpmpi splits the per-rank block of its first operand over
+    `mesh` (what the processes must agree on: their devices' parts must correspond)."""
+    lead = 1 if spec.rank_axis(params)[0] else 0
+    block = tuple(first)[lead:]
+    while block and block[-1] is None:
+        block = block[:-1]
+    return _hash(repr((mesh, block)))
 
 
 def auto_devices(ctx) -> int:
@@ -168,7 +185,49 @@ def wrap(ctx, prim, spec, params, args):
     n = auto_devices(ctx)
     mesh = jax.sharding.AbstractMesh((n,), (AXIS,))
     ins, outs = layout(spec, params, ctx.avals_in, ctx.avals_out, n)
-    body = lambda *xs: prim.bind(*xs, **params)  # noqa: E731
+    split = {**params, "layout": _split_hash(spec, params, n, ins[0])}
+    body = lambda *xs: prim.bind(*xs, **split)  # noqa: E731
     fn = lambda *xs: jax.shard_map(body, mesh=mesh, in_specs=ins, out_specs=list(outs),  # noqa: E731
                                    check_vma=False)(*xs)
     return jc.lower_fun(fn, ctx, args)
+
+
+_SHARDED: dict = {}
+
+
+def sharded_call(prim, spec, params: dict, args):
+    """The eager call of `prim` on `args` when its first array is sharded over several
+    devices of this process (a NamedSharding): each device's call on its own part, in a
+    `shard_map` over the array's mesh, the array's split kept (the communicator's rank
+    axis is whole on every device); None for an array on one device."""
+    sharding = getattr(args[0], "sharding", None) if args else None
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or getattr(mesh, "size", 1) < 2 or not hasattr(sharding, "spec"):
+        return None
+    for a in args:
+        if not getattr(a, "is_fully_addressable", True):
+            raise ValueError(
+                f"vjpmpi.{spec.name}: an argument is a global jax.Array with devices of other "
+                "processes (a multi-process jax.distributed array); vjpmpi's ranks are MPI "
+                "processes: pass this process's part (a jax.Array of its own devices)")
+    shapes = tuple((tuple(a.shape), str(a.dtype)) for a in args)
+    key = (prim, *params.items(), mesh, tuple(sharding.spec), shapes)
+    fn = _SHARDED.get(key)
+    if fn is None:
+        in_avals = [jax.typeof(a) for a in args]
+        out_avals = prim.abstract_eval(*in_avals, **params)[0]
+        in_ax = spec.rank_axis(params)[0]
+        given = tuple(sharding.spec)
+        block = given[1 if in_ax else 0:]
+        if not any(block):  # (split along the rank axis only: split the block as jit does)
+            block = None if any(given) else ()
+        ins, outs = layout(spec, params, in_avals, out_avals, mesh.size, block,
+                           tuple(mesh.axis_names))
+        split = {**params, "layout": _split_hash(spec, params, tuple(mesh.shape.items()), ins[0])}
+        body = lambda *xs: prim.bind(*xs, **split)  # noqa: E731
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=ins, out_specs=list(outs),
+                                   check_vma=False))
+        if len(_SHARDED) > 256:
+            _SHARDED.clear()
+        _SHARDED[key] = fn
+    return fn(*args)

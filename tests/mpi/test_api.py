@@ -243,7 +243,10 @@ def test_every_op_is_one_spec_and_one_primitive():
         "exscan_reversed", "others_product", "recurrence", "recurrence_reversed",
         # private: the ranks agree on a composite's global shape (vjpmpi.fft); an
         # ordered identity without MPI (vjpmpi.nn's pipeline)
-        "agree", "hold"}
+        "agree", "hold",
+        # vjpmpi.lax: a reduction over an extended mesh axis whose result does not vary
+        # over it (psum under check_vma, pmax, pmin)
+        "lax_reduce_invariant"}
     for name, prim in _primitive.PRIMITIVES.items():
         assert prim.name == f"vjpmpi_{name}"
         assert _primitive.LINEARIZED_PRIMITIVES[name].name == f"vjpmpi_{name}_lin"

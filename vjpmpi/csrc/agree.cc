@@ -71,6 +71,7 @@ void Fingerprint(const Call& c, Entry& e) {
   e.red = (c.uses & kUsesRed) ? static_cast<int32_t>(c.red) : 0;
   e.root = (c.uses & kUsesRoot) ? c.root : 0;
   e.flags = c.uses | (c.reverse ? kReverse : 0);
+  e.layout = static_cast<int32_t>(c.layout ^ (c.layout >> 32));
   PackDims(c.dims, c.ndim, e.dims, &e.ndim);
 }
 
@@ -84,6 +85,7 @@ uint64_t FingerprintHash(const Entry& e) {
   h = Mix(h, static_cast<uint32_t>(e.root));
   h = Mix(h, e.flags & (kReverse | kUsesRed | kUsesRoot));
   h = Mix(h, e.ndim);
+  h = Mix(h, static_cast<uint32_t>(e.layout));
   const int used = e.ndim < kMaxDims ? e.ndim : kMaxDims;  // (ndim is in the hash)
   for (int i = 0; i < used; ++i) h = Mix(h, static_cast<uint64_t>(e.dims[i]));
   return h;
@@ -92,6 +94,7 @@ uint64_t FingerprintHash(const Entry& e) {
 bool SameCollective(const Entry& a, const Entry& b) {
   return std::strncmp(a.op, b.op, sizeof(a.op)) == 0 && a.kind == b.kind && a.red == b.red &&
          a.root == b.root && (a.flags & kReverse) == (b.flags & kReverse) && a.ndim == b.ndim &&
+         a.layout == b.layout &&
          std::memcmp(a.dims, b.dims, sizeof(a.dims)) == 0;
 }
 
@@ -112,7 +115,13 @@ std::string Describe(const Entry& e) {
     s += (i ? ", " : "") + std::to_string(e.dims[i]);
   }
   if (e.ndim > kMaxDims) s += ", ...";
-  return s + "]";
+  s += "]";
+  if (e.layout != 0) {  // (a device call)
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%08x", static_cast<uint32_t>(e.layout));
+    s += std::string(" on devices laid out #") + buf;
+  }
+  return s;
 }
 
 // Which arguments two collectives differ in, in the public API's words.
@@ -139,6 +148,9 @@ std::string Differences(const std::vector<Entry>& all, const std::vector<bool>& 
   }
   if (any([](const Entry& a, const Entry& b) { return a.red != b.red; })) what.push_back("'op'");
   if (any([](const Entry& a, const Entry& b) { return a.root != b.root; })) what.push_back("'root'");
+  if (any([](const Entry& a, const Entry& b) { return a.layout != b.layout; })) {
+    what.push_back("the layout of the process's devices (mesh, split of the arrays)");
+  }
   std::string s;
   for (size_t i = 0; i < what.size(); ++i) {
     s += (i == 0 ? "" : i + 1 == what.size() ? " and " : ", ") + what[i];

@@ -58,7 +58,8 @@ struct Entry {
   int64_t site;      // call-site hash (VJPMPI_CHECK / VJPMPI_TIMEOUT), or 0
   int64_t position;  // its number within this run of the program (1: the first)
   char op[16];
-  int32_t kind, red, root, ndim, flags, pad;
+  int32_t kind, red, root, ndim, flags;
+  int32_t layout;  // a device call's: its devices' layout (mesh, split), hashed; else 0
   int64_t dims[kMaxDims];  // the per-rank block; ndim > kMaxDims: the last hashes the rest
   char site_text[176];     // the call site's text (VJPMPI_CHECK / VJPMPI_TIMEOUT), or ""
   int64_t k_end;           // == k once the entry is complete (written last)

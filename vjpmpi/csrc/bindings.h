@@ -372,6 +372,32 @@ Res<B> DevBarrierImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where,
   return DevBarrierH<B::kAsync>(B::MakeMem(ctx), where, VJPMPI_ATTRS_OF, dev);
 }
 template <typename B>
+Res<B> DevRaggedImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer a0,
+                     ffi::AnyBuffer a1, ffi::AnyBuffer io, ffi::AnyBuffer ss, ffi::AnyBuffer oo,
+                     ffi::AnyBuffer rs, ffi::Token, ffi::Result<ffi::AnyBuffer> r0,
+                     ffi::Result<ffi::AnyBuffer> r1, ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS,
+                     VJPMPI_DEV_PARAMS, int64_t form, int64_t groups) {
+  return DevRaggedH<B::kAsync>(B::MakeMem(ctx), where, a0, a1, io, ss, oo, rs, r0, r1,
+                               VJPMPI_ATTRS_OF, form, groups, dev);
+}
+template <typename B>
+auto DevRaggedBinding() {  // (where, the ragged exchange's operands, token) -> (r0, r1, token)
+  // (attributes in the order of their names, as XLA hands them over)
+  return WithDev(WithAttrs(BindDev<B>()
+                               .template Arg<ffi::AnyBuffer>()
+                               .template Arg<ffi::AnyBuffer>()
+                               .template Arg<ffi::AnyBuffer>()
+                               .template Arg<ffi::AnyBuffer>()
+                               .template Arg<ffi::AnyBuffer>()
+                               .template Arg<ffi::AnyBuffer>()
+                               .template Arg<ffi::Token>()
+                               .template Ret<ffi::AnyBuffer>()
+                               .template Ret<ffi::AnyBuffer>()
+                               .template Ret<ffi::Token>()))
+      .template Attr<int64_t>("form")
+      .template Attr<int64_t>("groups");
+}
+template <typename B>
 auto DevTokenBinding() {  // (where, token) -> token
   return WithDev(WithAttrs(BindDev<B>().template Arg<ffi::Token>().template Ret<ffi::Token>()));
 }
@@ -423,6 +449,7 @@ std::vector<Registration> Registrations() {
     add("sendrecv_dev", &Entry<&DevSendrecvImpl<B>, &DevBinaryBinding<B>>);
     add("recurrence_dev", &Entry<&DevRecurrenceImpl<B>, &DevBinaryBinding<B>>);
     add("barrier_dev", &Entry<&DevBarrierImpl<B>, &DevTokenBinding<B>>);
+    add("ragged_alltoall_dev", &Entry<&DevRaggedImpl<B>, &DevRaggedBinding<B>>);
     add("ragged_alltoall", &Entry<&RaggedImpl<B>, &RaggedBinding<B>>);
     add("send_start", &Entry<&SendStartImpl<B>, &StartBinding<B>>);
     add("recv_start", &Entry<&RecvStartImpl<B>, &StartBinding<B>>);

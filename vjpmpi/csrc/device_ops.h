@@ -16,6 +16,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#include <deque>
 #include <memory>
 #include <string>
 #include <thread>
@@ -72,6 +74,7 @@ std::string StartDevice(const char* op, ffi::Buffer<ffi::S32> where, const Attrs
   s->attrs.root = w[1];
   s->attrs.peer = w[2];
   s->attrs.peer2 = w[3];
+  s->attrs.layout = s->place.layout;
   s->set = &Devices(runtime, a.comm, s->place.parts);
   const int level = dev.size() > 4 ? static_cast<int>(dev[4]) : 1;
   return Ensure(*s->set, level, [&](int l) {
@@ -356,6 +359,161 @@ Result<Async> DevP2PH(Mem mem, const char* name, ffi::Buffer<ffi::S32> where,
   if (e.empty()) e = DevP2P(s, c, in, out);
   std::string end = mem.End();
   return Finish<Async>(e.empty() ? end : e);
+}
+
+// The ragged exchange between the devices of a group (ragged.h's RaggedPeers): the
+// parts gathered by the group's first device (its process call: the ranks' agreement),
+// slices through memory to devices of this process, through the pairs' duplicates to
+// those of others.
+struct DevicePeers : RaggedPeers {
+  const DeviceStart& s;
+  const Call& c;
+  struct Sent {
+    Letter letter;
+    int to;  // the receiving partition
+  };
+  std::deque<Sent> letters;  // (stable addresses)
+  struct Pending {
+    void* buf;
+    size_t bytes;
+    int from, tag;
+  };
+  std::vector<Pending> pending;  // receives from devices of this process
+  std::vector<MPI_Request> reqs;
+  int D = 1;
+
+  DevicePeers(const DeviceStart& start, const Call& call) : s(start), c(call) {
+    D = s.place.local;
+    size = s.procs * D;
+    rank = s.proc * D + s.place.a;
+    room = 0;
+  }
+
+  std::string Gather(const int64_t* part, size_t stride, int64_t* all) override {
+    DeviceCall d;
+    d.c = c;
+    d.in = part;
+    d.out = all;
+    d.in_bytes = stride * sizeof(int64_t);
+    d.out_bytes = static_cast<size_t>(size) * d.in_bytes;
+    d.site = c.site;
+    d.sig = sig;
+    return Meet(runtime, *s.set, s.place, &d, [&](std::vector<DeviceCall*>& calls,
+                                                  const std::string& invalid) {
+      return GroupCall(s, calls, invalid, d.out_bytes, [stride](const Call& pc,
+                                                                std::vector<DeviceCall*>& cs) {
+        const size_t local = cs.size() * stride;
+        std::vector<int64_t> mine(local);
+        for (size_t a = 0; a < cs.size(); ++a) {
+          std::memcpy(mine.data() + a * stride, cs[a]->in, stride * sizeof(int64_t));
+        }
+        int64_t* all = static_cast<int64_t*>(cs[0]->out);
+        std::string e = Check(MPI_Allgather(mine.data(), static_cast<int>(local), MPI_INT64_T, all,
+                                            static_cast<int>(local), MPI_INT64_T, pc.comm),
+                              pc.op, "MPI_Allgather");
+        for (size_t a = 1; a < cs.size() && e.empty(); ++a) {
+          std::memcpy(cs[a]->out, all, cs[0]->out_bytes);
+        }
+        return e;
+      });
+    });
+  }
+
+  MPI_Comm Pair(int from, int to) const {
+    return runtime.comms.Get(s.set->pair[static_cast<size_t>(from) * s.place.parts + to])
+        ->comm.load();
+  }
+
+  std::string Send(const void* buf, size_t bytes, int peer, int tag) override {
+    const int to = s.place.Partition(peer % D);
+    if (peer / D == s.proc) {
+      letters.emplace_back();
+      letters.back().to = to;
+      Letter& l = letters.back().letter;
+      l.from = s.place.pid;
+      l.tag = tag;
+      l.kind = Kind::kU8;
+      l.count = bytes;
+      l.data = buf;
+      PostLetter(runtime, *s.set, to, &l);
+      return {};
+    }
+    MPI_Request r;
+    int rc = VJPMPI_BY_COUNT(bytes, MPI_Isend, buf, n, MPI_BYTE, peer / D, 0,
+                             Pair(s.place.pid, to), &r);
+    if (rc == MPI_SUCCESS) reqs.push_back(r);
+    return Check(rc, c.op, "MPI_Isend");
+  }
+
+  std::string Recv(void* buf, size_t bytes, int peer, int tag) override {
+    const int from = s.place.Partition(peer % D);
+    if (peer / D == s.proc) {
+      pending.push_back({buf, bytes, from, tag});
+      return {};
+    }
+    MPI_Request r;
+    int rc = VJPMPI_BY_COUNT(bytes, MPI_Irecv, buf, n, MPI_BYTE, peer / D, 0,
+                             Pair(from, s.place.pid), &r);
+    if (rc == MPI_SUCCESS) reqs.push_back(r);
+    return Check(rc, c.op, "MPI_Irecv");
+  }
+
+  std::string Finish() override {
+    std::string e;
+    for (const Pending& p : pending) {
+      std::string t = TakeLetter(runtime, *s.set, s.place.pid, p.from, p.tag, Kind::kU8,
+                                 p.bytes, p.buf, c.op);
+      if (e.empty()) e = t;
+    }
+    pending.clear();
+    if (!reqs.empty()) {
+      uint64_t watch = WatchCall(runtime, c.op, c.site, c.comm);
+      std::string w = Check(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(),
+                                        MPI_STATUSES_IGNORE),
+                            c.op, "MPI_Waitall");
+      Unwatch(runtime, watch);
+      reqs.clear();
+      if (e.empty()) e = w;
+    }
+    for (Sent& l : letters) {
+      std::string d = Delivered(runtime, *s.set, l.to, &l.letter, c.op);
+      if (e.empty()) e = d;
+    }
+    letters.clear();
+    return e;
+  }
+
+  uint64_t sig = 0;
+};
+
+// (where, a0, a1, input_offsets, send_sizes, output_offsets, recv_sizes, token) ->
+// (r0, r1, token): the ragged exchange (handler_ops.h's RaggedH) of a device call.
+template <bool Async, typename Mem, typename Span>
+Result<Async> DevRaggedH(Mem mem, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer a0,
+                         ffi::AnyBuffer a1, ffi::AnyBuffer io, ffi::AnyBuffer ss,
+                         ffi::AnyBuffer oo, ffi::AnyBuffer rs, ffi::Result<ffi::AnyBuffer> r0,
+                         ffi::Result<ffi::AnyBuffer> r1, const Attrs& at, int64_t form,
+                         int64_t groups, Span dev) {
+  DeviceStart s;
+  std::string e = StartDevice(RaggedName(static_cast<int>(form)), where, at, dev, &s);
+  if (!e.empty()) return Finish<Async>(e);
+  if (s.place.Alone()) {
+    Attrs one = s.attrs;
+    one.comm = s.set->dev[static_cast<size_t>(s.place.pid)];
+    return RaggedH<Async>(mem, a0, a1, io, ss, oo, rs, r0, r1, one, form, groups);
+  }
+  RaggedArgs args(a0, a1, io, ss, oo, rs, r0, r1, s.attrs, form, groups);
+  e = args.error;
+  const int size = s.procs * s.place.local;
+  if (e.empty()) e = args.SizeCheck(size);
+  if (e.empty() && (args.c.uses & kUsesRoot)) e = GroupRank(args.name, "root", args.c.root, size);
+  if (!e.empty()) return Finish<Async>(e);
+  Call c = args.c;
+  c.site = at.site;
+  c.site_text = &SiteOf;
+  DevicePeers peers(s, c);
+  peers.sig = static_cast<uint64_t>(at.sig);
+  return Finish<Async>(args.Exchange(c, &peers));
 }
 
 }  // namespace vjpmpi

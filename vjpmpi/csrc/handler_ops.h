@@ -171,63 +171,95 @@ Result<Async> BarrierH(Mem mem, const Attrs& a) {
 // place), r1 the cotangent with its received rows zeroed. The four int32 arrays have one
 // length n, a multiple of the communicator's size; `form` names the public op, `groups`
 // the packed forms' segments (a batch folded into one call). Host memory only.
-template <bool Async, typename Mem>
-Result<Async> RaggedH(Mem mem, ffi::AnyBuffer a0, ffi::AnyBuffer a1, ffi::AnyBuffer io,
-                      ffi::AnyBuffer ss, ffi::AnyBuffer oo, ffi::AnyBuffer rs,
-                      ffi::Result<ffi::AnyBuffer> r0, ffi::Result<ffi::AnyBuffer> r1,
-                      const Attrs& at, int64_t form, int64_t groups) {
-  const char* name = RaggedName(static_cast<int>(form));
-  Call c = MakeCall(name, at, kWaitsForAll | (form == kGatherv || form == kScatterv ? kUsesRoot : 0));
-  c.kind = KindOf(a0.element_type());
-  for (auto* b : {&io, &ss, &oo, &rs}) {
-    if (b->element_type() != ffi::DataType::S32) {
-      return Finish<Async>(std::string("vjpmpi.") + name + ": offsets and sizes must be int32 (a vjpmpi bug)");
+struct RaggedArgs {
+  const char* name;
+  Call c;
+  std::string error;
+  bool back;
+  int n, f, g;
+  int64_t rows_in, rows_out;
+  size_t row_bytes, b0, b1, c1;
+  std::vector<int64_t> block;  // what the ranks agree on: n and one row's shape
+  const void *p0, *p1;
+  const int32_t* meta[4];
+  void *q0, *q1;
+
+  RaggedArgs(ffi::AnyBuffer a0, ffi::AnyBuffer a1, ffi::AnyBuffer io, ffi::AnyBuffer ss,
+             ffi::AnyBuffer oo, ffi::AnyBuffer rs, ffi::Result<ffi::AnyBuffer>& r0,
+             ffi::Result<ffi::AnyBuffer>& r1, const Attrs& at, int64_t form, int64_t groups)
+      : name(RaggedName(static_cast<int>(form))),
+        c(MakeCall(name, at, kWaitsForAll | (form == kGatherv || form == kScatterv ? kUsesRoot : 0))),
+        back(at.reverse != 0), f(static_cast<int>(form)), g(static_cast<int>(groups)) {
+    c.kind = KindOf(a0.element_type());
+    for (auto* b : {&io, &ss, &oo, &rs}) {
+      if (b->element_type() != ffi::DataType::S32) {
+        error = std::string("vjpmpi.") + name + ": offsets and sizes must be int32 (a vjpmpi bug)";
+      }
     }
+    if (c.kind == Kind::kUnsupported || KindOf(a1.element_type()) != c.kind) error = Unsupported(name);
+    ffi::AnyBuffer& operand = back ? a1 : a0;  // (operand-shaped, output-shaped)
+    ffi::AnyBuffer& output = back ? a0 : a1;
+    auto od = operand.dimensions(), yd = output.dimensions();
+    n = static_cast<int>(io.element_count());
+    rows_in = od.size() ? od[0] : 0;
+    rows_out = yd.size() ? yd[0] : 0;
+    row_bytes = ByteSize(c.kind);
+    for (size_t d = 1; d < od.size(); ++d) row_bytes *= static_cast<size_t>(od[d]);
+    block.push_back(n);
+    for (size_t d = 1; d < od.size(); ++d) block.push_back(od[d]);
+    c.dims = block.data();
+    c.ndim = static_cast<int>(block.size());
+    c.count = c.count2 = operand.element_count();
+    p0 = a0.untyped_data();
+    p1 = a1.untyped_data();
+    meta[0] = io.typed_data<int32_t>();
+    meta[1] = ss.typed_data<int32_t>();
+    meta[2] = oo.typed_data<int32_t>();
+    meta[3] = rs.typed_data<int32_t>();
+    q0 = r0->untyped_data();
+    q1 = r1->untyped_data();
+    b0 = a0.size_bytes();
+    b1 = a1.size_bytes();
+    c1 = r1->size_bytes();
   }
-  if (c.kind == Kind::kUnsupported || KindOf(a1.element_type()) != c.kind) {
-    return Finish<Async>(Unsupported(name));
+  RaggedArgs(const RaggedArgs&) = delete;
+
+  std::string SizeCheck(int size) const {
+    if (n % size == 0) return {};
+    return std::string("vjpmpi.") + name + ": " + std::to_string(n) +
+           " offsets and sizes are not a multiple of the communicator's size " +
+           std::to_string(size);
   }
-  const bool back = at.reverse != 0;
-  ffi::AnyBuffer& operand = back ? a1 : a0;  // (operand-shaped, output-shaped)
-  ffi::AnyBuffer& output = back ? a0 : a1;
-  auto od = operand.dimensions(), yd = output.dimensions();
-  const int n = static_cast<int>(io.element_count());
-  const int64_t rows_in = od.size() ? od[0] : 0, rows_out = yd.size() ? yd[0] : 0;
-  size_t row_bytes = ByteSize(c.kind);
-  for (size_t d = 1; d < od.size(); ++d) row_bytes *= static_cast<size_t>(od[d]);
-  // What the ranks agree on: n and one row's shape.
-  std::vector<int64_t> block{n};
-  for (size_t d = 1; d < od.size(); ++d) block.push_back(od[d]);
-  c.dims = block.data();
-  c.ndim = static_cast<int>(block.size());
-  c.count = c.count2 = operand.element_count();
-  const void* p0 = a0.untyped_data();
-  const void* p1 = a1.untyped_data();
-  const int32_t* meta[4] = {io.typed_data<int32_t>(), ss.typed_data<int32_t>(),
-                            oo.typed_data<int32_t>(), rs.typed_data<int32_t>()};
-  void* q0 = r0->untyped_data();
-  void* q1 = r1->untyped_data();
-  size_t b0 = a0.size_bytes(), b1 = a1.size_bytes(), c1 = r1->size_bytes();
-  int g = static_cast<int>(groups);
-  int f = static_cast<int>(form);
-  return Run<Async>(mem, c, at, true, std::max(b0, b1), [&] {
-    int size = 1;
-    MPI_Comm_size(c.comm, &size);
-    if (n % size != 0) {
-      return std::string("vjpmpi.") + name + ": " + std::to_string(n) +
-             " offsets and sizes are not a multiple of the communicator's size " + std::to_string(size);
-    }
-    return Ok();
-  }, [=](decltype(mem)& m, const Call& c) {
-    std::string e = m.Begin();
-    if (!e.empty()) return e;
+
+  // The exchange, between the ranks `peers` reaches (null: the processes of c.comm).
+  std::string Exchange(const Call& call, RaggedPeers* peers) const {
     std::vector<int64_t> mine{rows_in, rows_out};
     for (const int32_t* v : meta) mine.insert(mine.end(), v, v + n);
     // (r0 holds a1, and reverse's r1 holds a0, where XLA gave them buffers of their own)
     if (q0 != p1 && b1) HostCopy(q0, p1, b1);
     if (back && q1 != p0 && c1) HostCopy(q1, p0, c1);
-    return Ragged(c, f, g, back, row_bytes, mine, n, p0, q0, back ? q1 : nullptr,
-                  back ? nullptr : static_cast<int32_t*>(q1));
+    void* masked = back ? q1 : nullptr;
+    int32_t* received = back ? nullptr : static_cast<int32_t*>(q1);
+    if (peers == nullptr) return Ragged(call, f, g, back, row_bytes, mine, n, p0, q0, masked, received);
+    return RaggedWith(*peers, call, f, g, back, row_bytes, mine, n, p0, q0, masked, received);
+  }
+};
+
+template <bool Async, typename Mem>
+Result<Async> RaggedH(Mem mem, ffi::AnyBuffer a0, ffi::AnyBuffer a1, ffi::AnyBuffer io,
+                      ffi::AnyBuffer ss, ffi::AnyBuffer oo, ffi::AnyBuffer rs,
+                      ffi::Result<ffi::AnyBuffer> r0, ffi::Result<ffi::AnyBuffer> r1,
+                      const Attrs& at, int64_t form, int64_t groups) {
+  auto args = std::make_shared<RaggedArgs>(a0, a1, io, ss, oo, rs, r0, r1, at, form, groups);
+  if (!args->error.empty()) return Finish<Async>(args->error);
+  Call& c = args->c;
+  return Run<Async>(mem, c, at, true, std::max(args->b0, args->b1), [&] {
+    int size = 1;
+    MPI_Comm_size(c.comm, &size);
+    return args->SizeCheck(size);
+  }, [=](decltype(mem)& m, const Call& c) {
+    std::string e = m.Begin();
+    return e.empty() ? args->Exchange(c, nullptr) : e;
   });
 }
 

@@ -76,6 +76,7 @@ enum class Count { kIn, kOut, kInPerRank };
 struct Attrs {
   int64_t comm, red, root, peer, peer2, tag, tag2, status, reverse, site, sig, invalid;
   int64_t run;  // the XLA run id of this execution (not an attribute)
+  int64_t layout = 0;  // a device call's devices' layout (device_ops.h; not an attribute)
 };
 
 inline Call MakeCall(const char* name, const Attrs& a, int uses) {
@@ -91,6 +92,7 @@ inline Call MakeCall(const char* name, const Attrs& a, int uses) {
   c.status = nullptr;  // (a slot's status: Run)
   c.reverse = a.reverse != 0;
   c.uses = uses;
+  c.layout = a.layout;
   return c;
 }
 

@@ -181,21 +181,70 @@ std::string PlanRagged(RaggedPlan& p, int root) {
 // every rank of a communicator (MPI_Allgather's parts have one size).
 size_t InlineBytes(int size) { return size > 32 ? 0 : 4096 / static_cast<size_t>(size) / 8 * 8; }
 
+ProcessPeers::ProcessPeers(const Call& call) : c(call) {
+  MPI_Comm_size(c.comm, &size);
+  MPI_Comm_rank(c.comm, &rank);
+  room = 0;
+}
+
+std::string ProcessPeers::Gather(const int64_t* part, size_t stride, int64_t* all) {
+  const char* op = c.op;
+  auto e = Check(MPI_Allgather(part, static_cast<int>(stride), MPI_INT64_T, all,
+                               static_cast<int>(stride), MPI_INT64_T, c.comm),
+                 op, "MPI_Allgather");
+  if (!e.empty()) return e;
+  // (its messages apart from the program's own point-to-point ones; made on every rank
+  // alike at the first call, MPI_Comm_dup being a collective, then kept)
+  return DerivedComm(c.comm, Derived::kDuplicate, op, &dup);
+}
+
+std::string ProcessPeers::Send(const void* buf, size_t bytes, int peer, int) {
+  MPI_Request r;
+  int rc = VJPMPI_BY_COUNT(bytes, MPI_Isend, buf, n, MPI_BYTE, peer, 0, dup, &r);
+  if (rc == MPI_SUCCESS) reqs.push_back(r);
+  return Check(rc, c.op, "MPI_Isend");
+}
+
+std::string ProcessPeers::Recv(void* buf, size_t bytes, int peer, int) {
+  MPI_Request r;
+  int rc = VJPMPI_BY_COUNT(bytes, MPI_Irecv, buf, n, MPI_BYTE, peer, 0, dup, &r);
+  if (rc == MPI_SUCCESS) reqs.push_back(r);
+  return Check(rc, c.op, "MPI_Irecv");
+}
+
+std::string ProcessPeers::Finish() {
+  if (reqs.empty()) return {};
+  std::string w = Check(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(),
+                                    MPI_STATUSES_IGNORE),
+                        c.op, "MPI_Waitall");
+  reqs.clear();
+  return w;
+}
+
+std::string Ragged(const Call& c, int form, int groups, bool reverse, size_t row_bytes,
+                   const std::vector<int64_t>& mine, int n, const void* in, void* out,
+                   void* masked, int32_t* received) {
+  ProcessPeers peers(c);
+  peers.room = reverse ? 0 : InlineBytes(peers.size);
+  return RaggedWith(peers, c, form, groups, reverse, row_bytes, mine, n, in, out, masked,
+                    received);
+}
+
 // One ragged call. `in`: the operand (forward) or the output-shaped cotangent (reverse);
 // `out`: the output (forward, holding the template's rows already) or the accumulator
 // (reverse, holding its initial value); `masked`: (reverse) the cotangent with its
 // received rows zeroed, holding the cotangent already (it may be `in`); `received`
 // (forward): the rows received per slice, int32 in receiver order (source j's slice s
 // at j * per + s). `mine`: this rank's part, 2 + 4n values as RaggedPlan holds them.
-std::string Ragged(const Call& c, int form, int groups, bool reverse, size_t row_bytes,
-                          const std::vector<int64_t>& mine, int n, const void* in, void* out,
-                          void* masked, int32_t* received) {
+std::string RaggedWith(RaggedPeers& peers, const Call& c, int form, int groups, bool reverse,
+                       size_t row_bytes, const std::vector<int64_t>& mine, int n, const void* in,
+                       void* out, void* masked, int32_t* received) {
   RaggedPlan p;
   p.form = form;
   p.groups = groups < 1 ? 1 : groups;
   p.n = n;
-  MPI_Comm_size(c.comm, &p.size);
-  MPI_Comm_rank(c.comm, &p.rank);
+  p.size = peers.size;
+  p.rank = peers.rank;
   p.per = p.size > 0 ? n / p.size : 1;
   const char* op = RaggedName(form);
   const int me = p.rank;
@@ -204,7 +253,7 @@ std::string Ragged(const Call& c, int form, int groups, bool reverse, size_t row
   };
   // This rank's part, and (forward) its rows for the other ranks where they fit: slices
   // in order, each checked here as PlanRagged will check it on every rank.
-  const size_t room = reverse ? 0 : InlineBytes(p.size);
+  const size_t room = reverse ? 0 : peers.room;
   p.stride = mine.size() + 1 + room / 8;
   std::vector<int64_t>& part = RaggedPlan::Reused(3);
   part.assign(mine.begin(), mine.end());
@@ -233,35 +282,30 @@ std::string Ragged(const Call& c, int form, int groups, bool reverse, size_t row
     }
   }
   p.all.resize(static_cast<size_t>(p.size) * p.stride);
-  auto e = Check(MPI_Allgather(part.data(), static_cast<int>(p.stride), MPI_INT64_T, p.all.data(),
-                               static_cast<int>(p.stride), MPI_INT64_T, c.comm),
-                 op, "MPI_Allgather");
+  auto e = peers.Gather(part.data(), p.stride, p.all.data());
   if (!e.empty()) return e;
   e = PlanRagged(p, c.root);
   if (!e.empty()) return e;
-  static thread_local std::vector<MPI_Request> reqs;
-  reqs.clear();
-  // (its messages apart from the program's own point-to-point ones; made on every rank
-  // alike at the first call, MPI_Comm_dup being a collective, then kept)
-  MPI_Comm comm;
-  e = DerivedComm(c.comm, Derived::kDuplicate, op, &comm);
-  if (!e.empty()) return e;
-  auto post = [&](bool send, void* buf, int64_t rows, int peer) {
-    MPI_Request r;
+  (void)op;
+  // (sends before receives: a receive from a device of this process may wait for its
+  // sender, which must not be waiting for this one's send)
+  auto post = [&](bool send, void* buf, int64_t rows, int peer, int tag) {
     size_t bytes = static_cast<size_t>(rows) * row_bytes;
-    int rc = send ? VJPMPI_BY_COUNT(bytes, MPI_Isend, buf, n, MPI_BYTE, peer, 0, comm, &r)
-                  : VJPMPI_BY_COUNT(bytes, MPI_Irecv, buf, n, MPI_BYTE, peer, 0, comm, &r);
-    if (rc == MPI_SUCCESS) reqs.push_back(r);
-    return Check(rc, op, send ? "MPI_Isend" : "MPI_Irecv");
+    return send ? peers.Send(buf, bytes, peer, tag) : peers.Recv(buf, bytes, peer, tag);
   };
-  auto wait = [&]() {
-    if (reqs.empty()) return std::string();
-    std::string w = Check(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE),
-                          op, "MPI_Waitall");
-    reqs.clear();
-    return w;
-  };
+  auto wait = [&]() { return peers.Finish(); };
   if (!reverse) {
+    for (int i = 0; i < n && e.empty(); ++i) {  // what it sends
+      int r = i / p.per;
+      int64_t k = p.count(me, i);
+      if (k == 0) continue;
+      if (r == me) {
+        std::memmove(at(out, p.dst[static_cast<size_t>(me) * n + i]), at(in, p.src[static_cast<size_t>(me) * n + i]),
+                     static_cast<size_t>(k) * row_bytes);
+      } else if (!p.inlined(me)) {
+        e = post(true, at(in, p.src[static_cast<size_t>(me) * n + i]), k, r, i);
+      }
+    }
     for (int j = 0; j < p.size && e.empty(); ++j) {  // what this rank receives, from each j
       const unsigned char* from = j != me && p.inlined(j) ? p.inline_data(j) : nullptr;
       for (int i = 0; i < n && e.empty(); ++i) {  // (j's slices in order: its inline data's)
@@ -278,19 +322,8 @@ std::string Ragged(const Call& c, int form, int groups, bool reverse, size_t row
           std::memcpy(to, from, static_cast<size_t>(k) * row_bytes);
           from += static_cast<size_t>(k) * row_bytes;
         } else {
-          e = post(false, to, k, j);
+          e = post(false, to, k, j, i);
         }
-      }
-    }
-    for (int i = 0; i < n && e.empty(); ++i) {  // what it sends
-      int r = i / p.per;
-      int64_t k = p.count(me, i);
-      if (k == 0) continue;
-      if (r == me) {
-        std::memmove(at(out, p.dst[static_cast<size_t>(me) * n + i]), at(in, p.src[static_cast<size_t>(me) * n + i]),
-                     static_cast<size_t>(k) * row_bytes);
-      } else if (!p.inlined(me)) {
-        e = post(true, at(in, p.src[static_cast<size_t>(me) * n + i]), k, r);
       }
     }
     std::string w = wait();
@@ -305,6 +338,14 @@ std::string Ragged(const Call& c, int form, int groups, bool reverse, size_t row
   }
   static thread_local std::vector<unsigned char> scratch;
   scratch.resize(static_cast<size_t>(total) * row_bytes);
+  for (int j = 0; j < p.size && e.empty(); ++j) {  // what it sends back, to each j
+    if (j == me) continue;
+    for (int s = 0; s < p.per && e.empty(); ++s) {
+      int i = me * p.per + s;
+      int64_t k = p.count(j, i);
+      if (k > 0) e = post(true, at(in, p.dst[static_cast<size_t>(j) * n + i]), k, j, i);
+    }
+  }
   for (int i = 0; i < n && e.empty(); ++i) {  // what comes back to this rank
     int r = i / p.per;
     int64_t k = p.count(me, i);
@@ -313,15 +354,7 @@ std::string Ragged(const Call& c, int form, int groups, bool reverse, size_t row
       std::memcpy(at(scratch.data(), start[i]), at(in, p.dst[static_cast<size_t>(me) * n + i]),
                   static_cast<size_t>(k) * row_bytes);
     } else {
-      e = post(false, at(scratch.data(), start[i]), k, r);
-    }
-  }
-  for (int j = 0; j < p.size && e.empty(); ++j) {  // what it sends back, to each j
-    if (j == me) continue;
-    for (int s = 0; s < p.per && e.empty(); ++s) {
-      int i = me * p.per + s;
-      int64_t k = p.count(j, i);
-      if (k > 0) e = post(true, at(in, p.dst[static_cast<size_t>(j) * n + i]), k, j);
+      e = post(false, at(scratch.data(), start[i]), k, r, i);
     }
   }
   std::string w = wait();

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include <mpi.h>
+
 #include "mpi_ops.h"
 
 namespace vjpmpi {
@@ -24,6 +26,34 @@ namespace vjpmpi {
 // Which public op a ragged call is (the `form` attribute): the names its errors use.
 enum RaggedForm : int { kRagged = 0, kAlltoallv = 1, kAllgatherv = 2, kGatherv = 3, kScatterv = 4 };
 const char* RaggedName(int form);
+
+// How a ragged call reaches the other ranks of its group: ProcessPeers (one process per
+// rank: MPI on the communicator), or devices (device_ops.h: letters between devices of
+// this process, MPI between processes). Sends and receives are posted in order and end in
+// Finish; a receive from this process may wait there (after every send is posted).
+struct RaggedPeers {
+  int size = 1, rank = 0;
+  size_t room = 0;  // bytes of rows a part may carry inline (InlineBytes; 0: none)
+  virtual ~RaggedPeers() = default;
+  // Every rank's part (`stride` int64 each) into `all`, in rank order.
+  virtual std::string Gather(const int64_t* part, size_t stride, int64_t* all) = 0;
+  // `tag`: the slice (the sender's index), which tells two messages of one pair apart.
+  virtual std::string Send(const void* buf, size_t bytes, int peer, int tag) = 0;
+  virtual std::string Recv(void* buf, size_t bytes, int peer, int tag) = 0;
+  virtual std::string Finish() = 0;
+};
+
+// The ranks of `c.comm`, one per process.
+struct ProcessPeers : RaggedPeers {
+  const Call& c;
+  MPI_Comm dup = MPI_COMM_NULL;  // its messages apart from the program's own
+  std::vector<MPI_Request> reqs;
+  explicit ProcessPeers(const Call& call);
+  std::string Gather(const int64_t* part, size_t stride, int64_t* all) override;
+  std::string Send(const void* buf, size_t bytes, int peer, int tag) override;
+  std::string Recv(void* buf, size_t bytes, int peer, int tag) override;
+  std::string Finish() override;
+};
 
 // One ragged call. `in`: the operand (forward) or the output-shaped cotangent (reverse);
 // `out`: the output (forward, holding the template's rows already) or the accumulator
@@ -34,5 +64,11 @@ const char* RaggedName(int form);
 std::string Ragged(const Call& c, int form, int groups, bool reverse, size_t row_bytes,
                    const std::vector<int64_t>& mine, int n, const void* in, void* out,
                    void* masked, int32_t* received);
+// The same between the ranks `peers` reaches.
+std::string RaggedWith(RaggedPeers& peers, const Call& c, int form, int groups, bool reverse,
+                       size_t row_bytes, const std::vector<int64_t>& mine, int n, const void* in,
+                       void* out, void* masked, int32_t* received);
+// The bytes of rows a rank may send inline in the gathered parts, at `size` ranks.
+size_t InlineBytes(int size);
 
 }  // namespace vjpmpi
