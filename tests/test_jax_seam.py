@@ -1,10 +1,12 @@
-"""vjpmpi's seam with JAX: one module, public names where JAX has them, a pinned list
-of private ones.
+"""vjpmpi's seam with JAX: one module to the package, public names where JAX has them, a
+pinned list of private ones.
 
-`vjpmpi/_jax_compat.py` is the only module that imports JAX's internals; the rest of
-the package takes names from it (never a JAX module). Of those internals, the private
-ones (`jax._src`) are exactly PRIVATE below, and each is named in `_jax_compat`'s
-docstring with what it is for. A new private name is a decision: add it here and there.
+`vjpmpi/_jax_compat.py` and its sharding half `vjpmpi/_jax_shard.py` (which only
+`_jax_compat` imports) are the only modules that import JAX's internals; the rest of
+the package takes names from `_jax_compat` (never a JAX module). Of those internals,
+the private ones (`jax._src`) are exactly PRIVATE below, and each is named in the
+docstring of the module that reads it with what it is for. A new private name is a
+decision: add it here and there.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "vjpmpi"
 COMPAT = PACKAGE / "_jax_compat.py"
+SHARD = PACKAGE / "_jax_shard.py"
+SEAM = (COMPAT, SHARD)
 # JAX's internal modules, public or private: only _jax_compat.py imports these
 INTERNAL = ("jax._src", "jax.interpreters", "jax.extend", "jaxlib.mlir", "jax.core")
 
@@ -35,6 +39,12 @@ PRIVATE = {
     "jax._src.callback": {"_FlatCallback"},
     "jax._src.debugging": {"debug_callback_impl"},
     "jax._src.export._export": {"call_exported_p"},
+}
+# read by _jax_shard.py (the sharding half)
+PRIVATE_SHARD = {
+    "jax._src.config": {"_check_vma"},
+    "jax._src.core": {"pvary_p"},
+    "jax._src.shard_map": {"shard_map_p", "lax_parallel"},
 }
 
 
@@ -94,7 +104,7 @@ def private_names_used(path: pathlib.Path) -> dict[str, set[str]]:
 def test_only_the_compat_module_imports_jax_internals():
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path == COMPAT:
+        if path in SEAM:
             continue
         for module in _imported_modules(ast.parse(path.read_text())):
             if module.startswith(INTERNAL):
@@ -120,13 +130,26 @@ def test_the_compat_module_hands_out_names_not_modules():
     assert unknown == []
 
 
-def test_private_names_are_the_pinned_and_documented_ones():
-    used = private_names_used(COMPAT)
-    assert used == PRIVATE
-    doc = ast.get_docstring(ast.parse(COMPAT.read_text()))
-    undocumented = [f"{m}.{n}" for m, names in PRIVATE.items() for n in sorted(names)
+@pytest.mark.parametrize("path, pinned", [(COMPAT, PRIVATE), (SHARD, PRIVATE_SHARD)],
+                         ids=["compat", "shard"])
+def test_private_names_are_the_pinned_and_documented_ones(path, pinned):
+    used = private_names_used(path)
+    assert used == pinned
+    doc = ast.get_docstring(ast.parse(path.read_text()))
+    undocumented = [f"{m}.{n}" for m, names in pinned.items() for n in sorted(names)
                     if f"`{m}`" not in doc or f"`{n}`" not in doc]
     assert undocumented == []
+
+
+def test_only_the_compat_module_imports_its_sharding_half():
+    importers = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            if path != COMPAT and any(n.endswith("_jax_shard") for n in names):
+                importers.append(path.name)
+    assert importers == []
 
 
 def test_the_name_counter_sees_a_new_private_name(tmp_path):

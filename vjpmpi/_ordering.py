@@ -116,7 +116,7 @@ def _device_p2p(jaxpr: jc.Jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         spec = SPEC_OF.get(eqn.primitive)
         if spec is not None:
-            if spec.point_to_point and isinstance(eqn.params["comm"], DeviceCommRef):
+            if (spec.point_to_point or spec.pairs) and isinstance(eqn.params["comm"], DeviceCommRef):
                 return True
         elif any(_device_p2p(j) for j in jc.jaxprs_in_params(eqn.params) if contains_collective(j)):
             return True

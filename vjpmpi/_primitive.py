@@ -73,6 +73,8 @@ class Collective:
         split: whether a call in a program that XLA partitions may take its arrays apart
             along their per-rank block's axes (`_placement.layout`); False: whole on every
             device.
+        pairs: on a device communicator it sends point to point between devices (the
+            ragged exchange), as `point_to_point` ops do (duplicates per device pair).
         varies: `(params, vma) -> vma`, the mesh axes its results vary over inside
             shard_map, from those of its operands and its device communicator's axis
             (default: those).
@@ -97,6 +99,7 @@ class Collective:
     local: bool = False
     split: bool = True
     varies: Callable[[dict, frozenset], frozenset] | None = None
+    pairs: bool = False
 
     def ffi_target(self) -> str | None:
         return self.name if self.target == "" else self.target

@@ -31,7 +31,7 @@ _PARAMS = {"form": "form", "groups": "groups", "root": "root"}
 
 
 def _forward_avals(p, operand, output, *meta):
-    return [output, ShapedArray(meta[0].shape, jnp.int32)]
+    return [output, meta[0].update(dtype=jnp.dtype(jnp.int32), weak_type=False)]
 
 
 def _reverse_avals(p, ct, acc, *meta):
@@ -126,11 +126,11 @@ def _batch(reverse):
 _SPECS = [
     Collective("ragged_alltoall", _forward_avals, _PARAMS, alias=(1, 0),
                linear=lambda p: False, nonlinear_jvp=_jvp(0), transpose=_transpose_forward,
-               block=_block, batch=_batch(0), host_only=True, split=False, describe=_describe(False)),
+               block=_block, batch=_batch(0), host_only=True, split=False, pairs=True, describe=_describe(False)),
     Collective("ragged_alltoall_reversed", _reverse_avals, _PARAMS, fixed={"reverse": 1},
                alias=(1, 0), target="ragged_alltoall", linear=lambda p: False,
                nonlinear_jvp=_jvp(1), transpose=_transpose_reverse, block=_block,
-               batch=_batch(1), host_only=True, split=False, describe=_describe(True)),
+               batch=_batch(1), host_only=True, split=False, pairs=True, describe=_describe(True)),
 ]
 _PRIM, _LIN = zip(*(make_primitive(s) for s in _SPECS))
 

@@ -6,7 +6,7 @@
 //   using Ctx                      the FFI context each handler binds first (the CUDA
 //                                  stream; NoContext: none)
 //   using Mem; static Mem MakeMem(CtxOf<B>)   the memory policy of one call (handlers.h)
-// Registrations<B>() lists the handlers a backend module exports (registrations()).
+// registrations.h's Registrations<B>() lists the handlers a backend module exports.
 // Every handler binds B::Ctx, then XLA's run id, its arrays, the ordering token (last
 // in, last out: it carries no data, it only orders the custom calls inside one XLA
 // program), then the attributes.
@@ -22,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-#include "device_ops.h"
+#include "handler_ops.h"
 
 namespace vjpmpi {
 // A backend without a context of its own (the CPU) binds this: nothing to decode.
@@ -294,170 +294,6 @@ inline auto WaitSendBinding() {
       .Ret<ffi::Token>()
       .Attr<int64_t>("comm")
       .Attr<int64_t>("slot");
-}
-
-// ------------------------------------------------------------ device calls --
-// (device_ops.h) Each one-device binding with `where` (int32[4]) first and the `dev`
-// attribute last.
-#define VJPMPI_DEV_PARAMS ffi::Span<const int64_t> dev
-template <typename Binding>
-auto WithDev(Binding b) {
-  return std::move(b).template Attr<ffi::Span<const int64_t>>("dev");
-}
-template <typename B>
-auto BindDev() {
-  return Bind<B>().template Arg<ffi::Buffer<ffi::S32>>();  // where
-}
-
-template <typename B, const UnaryOp& Op>
-Res<B> DevUnaryImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer x,
-                    ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
-                    VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS) {
-  return DevUnary<B::kAsync, Op.fn, Op.group, Op.count, Op.uses>(B::MakeMem(ctx), Op.name, where,
-                                                                 x, y, VJPMPI_ATTRS_OF, dev);
-}
-template <typename B>
-auto DevUnaryBinding() {  // (where, x, token) -> (y, token)
-  return WithDev(WithAttrs(BindDev<B>()
-                               .template Arg<ffi::AnyBuffer>()
-                               .template Arg<ffi::Token>()
-                               .template Ret<ffi::AnyBuffer>()
-                               .template Ret<ffi::Token>()));
-}
-template <typename B>
-Res<B> DevSendImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer x,
-                   ffi::Token, ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS) {
-  return DevP2PH<B::kAsync>(B::MakeMem(ctx), "send", where, &x, nullptr, nullptr,
-                            VJPMPI_ATTRS_OF, dev);
-}
-template <typename B>
-auto DevArgBinding() {  // (where, x, token) -> token
-  return WithDev(WithAttrs(BindDev<B>().template Arg<ffi::AnyBuffer>().template Arg<ffi::Token>()
-                               .template Ret<ffi::Token>()));
-}
-template <typename B>
-Res<B> DevRecvImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer t,
-                   ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
-                   VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS) {
-  return DevP2PH<B::kAsync>(B::MakeMem(ctx), "recv", where, nullptr, &t, y->untyped_data(),
-                            VJPMPI_ATTRS_OF, dev);
-}
-template <typename B>
-Res<B> DevSendrecvImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where,
-                       ffi::AnyBuffer x, ffi::AnyBuffer t, ffi::Token,
-                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS,
-                       VJPMPI_DEV_PARAMS) {
-  return DevP2PH<B::kAsync>(B::MakeMem(ctx), "sendrecv", where, &x, &t, y->untyped_data(),
-                            VJPMPI_ATTRS_OF, dev);
-}
-template <typename B>
-Res<B> DevRecurrenceImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where,
-                         ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Token,
-                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
-                         VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS) {
-  return DevRecurrenceH<B::kAsync>(B::MakeMem(ctx), where, a, b, y, VJPMPI_ATTRS_OF, dev);
-}
-template <typename B>
-auto DevBinaryBinding() {  // (where, a, b, token) -> (y, token)
-  return WithDev(WithAttrs(BindDev<B>()
-                               .template Arg<ffi::AnyBuffer>()
-                               .template Arg<ffi::AnyBuffer>()
-                               .template Arg<ffi::Token>()
-                               .template Ret<ffi::AnyBuffer>()
-                               .template Ret<ffi::Token>()));
-}
-template <typename B>
-Res<B> DevBarrierImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::Token,
-                      ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS) {
-  return DevBarrierH<B::kAsync>(B::MakeMem(ctx), where, VJPMPI_ATTRS_OF, dev);
-}
-template <typename B>
-Res<B> DevRaggedImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer a0,
-                     ffi::AnyBuffer a1, ffi::AnyBuffer io, ffi::AnyBuffer ss, ffi::AnyBuffer oo,
-                     ffi::AnyBuffer rs, ffi::Token, ffi::Result<ffi::AnyBuffer> r0,
-                     ffi::Result<ffi::AnyBuffer> r1, ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS,
-                     VJPMPI_DEV_PARAMS, int64_t form, int64_t groups) {
-  return DevRaggedH<B::kAsync>(B::MakeMem(ctx), where, a0, a1, io, ss, oo, rs, r0, r1,
-                               VJPMPI_ATTRS_OF, form, groups, dev);
-}
-template <typename B>
-auto DevRaggedBinding() {  // (where, the ragged exchange's operands, token) -> (r0, r1, token)
-  // (attributes in the order of their names, as XLA hands them over)
-  return WithDev(WithAttrs(BindDev<B>()
-                               .template Arg<ffi::AnyBuffer>()
-                               .template Arg<ffi::AnyBuffer>()
-                               .template Arg<ffi::AnyBuffer>()
-                               .template Arg<ffi::AnyBuffer>()
-                               .template Arg<ffi::AnyBuffer>()
-                               .template Arg<ffi::AnyBuffer>()
-                               .template Arg<ffi::Token>()
-                               .template Ret<ffi::AnyBuffer>()
-                               .template Ret<ffi::AnyBuffer>()
-                               .template Ret<ffi::Token>()))
-      .template Attr<int64_t>("form")
-      .template Attr<int64_t>("groups");
-}
-template <typename B>
-auto DevTokenBinding() {  // (where, token) -> token
-  return WithDev(WithAttrs(BindDev<B>().template Arg<ffi::Token>().template Ret<ffi::Token>()));
-}
-
-// ------------------------------------------------------------ the table --
-// (name, XLA_FFI_Handler*): what the module's registrations() returns, in this order.
-using Registration = std::pair<const char*, void*>;
-
-template <typename B>
-std::vector<Registration> Registrations() {
-  std::vector<Registration> r;
-  auto add = [&r](const char* name, XLA_FFI_Handler* fn) {
-    r.emplace_back(name, reinterpret_cast<void*>(fn));
-  };
-  add("allreduce", &Entry<&UnaryImpl<B, kAllreduceOp>, &UnaryBinding<B>>);
-  add("reduce", &Entry<&UnaryImpl<B, kReduceOp>, &UnaryBinding<B>>);
-  add("bcast", &Entry<&UnaryImpl<B, kBcastOp>, &UnaryBinding<B>>);
-  add("allgather", &Entry<&UnaryImpl<B, kAllgatherOp>, &UnaryBinding<B>>);
-  add("gather", &Entry<&UnaryImpl<B, kGatherOp>, &UnaryBinding<B>>);
-  add("scatter", &Entry<&UnaryImpl<B, kScatterOp>, &UnaryBinding<B>>);
-  add("alltoall", &Entry<&UnaryImpl<B, kAlltoallOp>, &UnaryBinding<B>>);
-  add("reduce_scatter", &Entry<&UnaryImpl<B, kReduceScatterOp>, &UnaryBinding<B>>);
-  add("scan", &Entry<&UnaryImpl<B, kScanOp>, &UnaryBinding<B>>);
-  add("exscan", &Entry<&UnaryImpl<B, kExscanOp>, &UnaryBinding<B>>);
-  add("send", &Entry<&SendImpl<B>, &ArgBinding<B>>);
-  add("recv", &Entry<&RecvImpl<B>, &UnaryBinding<B>>);
-  add("sendrecv", &Entry<&SendrecvImpl<B>, &BinaryBinding<B>>);
-  add("barrier", &Entry<&BarrierImpl<B>, &TokenBinding<B>>);
-  add("agree", &Entry<&UnaryImpl<B, kAgreeOp>, &UnaryBinding<B>>);
-  add("recurrence", &Entry<&RecurrenceImpl<B>, &BinaryBinding<B>>);
-  add("others_product", &Entry<&UnaryImpl<B, kOthersProductOp>, &UnaryBinding<B>>);
-  add("hold", &Entry<&HoldImpl<B>, &UnaryBinding<B>>);
-  if constexpr (B::kAsync) {
-    // device calls (device_ops.h): host memory for now
-    add("allreduce_dev", &Entry<&DevUnaryImpl<B, kAllreduceOp>, &DevUnaryBinding<B>>);
-    add("reduce_dev", &Entry<&DevUnaryImpl<B, kReduceOp>, &DevUnaryBinding<B>>);
-    add("bcast_dev", &Entry<&DevUnaryImpl<B, kBcastOp>, &DevUnaryBinding<B>>);
-    add("allgather_dev", &Entry<&DevUnaryImpl<B, kAllgatherOp>, &DevUnaryBinding<B>>);
-    add("gather_dev", &Entry<&DevUnaryImpl<B, kGatherOp>, &DevUnaryBinding<B>>);
-    add("scatter_dev", &Entry<&DevUnaryImpl<B, kScatterOp>, &DevUnaryBinding<B>>);
-    add("alltoall_dev", &Entry<&DevUnaryImpl<B, kAlltoallOp>, &DevUnaryBinding<B>>);
-    add("reduce_scatter_dev", &Entry<&DevUnaryImpl<B, kReduceScatterOp>, &DevUnaryBinding<B>>);
-    add("scan_dev", &Entry<&DevUnaryImpl<B, kScanOp>, &DevUnaryBinding<B>>);
-    add("exscan_dev", &Entry<&DevUnaryImpl<B, kExscanOp>, &DevUnaryBinding<B>>);
-    add("agree_dev", &Entry<&DevUnaryImpl<B, kAgreeOp>, &DevUnaryBinding<B>>);
-    add("others_product_dev", &Entry<&DevUnaryImpl<B, kOthersProductOp>, &DevUnaryBinding<B>>);
-    add("send_dev", &Entry<&DevSendImpl<B>, &DevArgBinding<B>>);
-    add("recv_dev", &Entry<&DevRecvImpl<B>, &DevUnaryBinding<B>>);
-    add("sendrecv_dev", &Entry<&DevSendrecvImpl<B>, &DevBinaryBinding<B>>);
-    add("recurrence_dev", &Entry<&DevRecurrenceImpl<B>, &DevBinaryBinding<B>>);
-    add("barrier_dev", &Entry<&DevBarrierImpl<B>, &DevTokenBinding<B>>);
-    add("ragged_alltoall_dev", &Entry<&DevRaggedImpl<B>, &DevRaggedBinding<B>>);
-    add("ragged_alltoall", &Entry<&RaggedImpl<B>, &RaggedBinding<B>>);
-    add("send_start", &Entry<&SendStartImpl<B>, &StartBinding<B>>);
-    add("recv_start", &Entry<&RecvStartImpl<B>, &StartBinding<B>>);
-    add("sendrecv_start", &Entry<&SendrecvStartImpl<B>, &SendrecvStartBinding<B>>);
-    add("wait", &Entry<&WaitImpl, &WaitBinding>);
-    add("wait_send", &Entry<&WaitSendImpl, &WaitSendBinding>);
-  }
-  return r;
 }
 
 }  // namespace vjpmpi

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "bindings.h"
+#include "registrations.h"
 #include "module_common.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"

@@ -10,7 +10,7 @@
 
 namespace vjpmpi {
 
-// (name, XLA_FFI_Handler*), as bindings.h's Registrations<B>() lists them.
+// (name, XLA_FFI_Handler*), as registrations.h's Registrations<B>() lists them.
 using Registration = std::pair<const char*, void*>;
 
 // Also gives the core library its test of a Python thread (runtime.h, OnPythonThread).
