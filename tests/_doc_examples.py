@@ -1,10 +1,13 @@
 """The Python examples of the README, the docs pages and the public docstrings.
 
-A docs page's example is a fenced ```python block; it runs at 2 ranks unless the line
-before its fence says otherwise (`<!-- ranks: 4 -->`). A docstring's example is a
-fenced ```python block in it (its `Example:` section), at 2 ranks. Every example is a
-whole program: the README's test command runs each group (a page, or the docstrings
-of one package) in one `mpiexec` (tests/test_doc_examples.py, tests/run_doc_examples.py).
+A docs page's example is a fenced ```python block; it runs at 2 ranks of one CPU device
+each unless the line before its fence says otherwise: `<!-- ranks: 4 -->`,
+`<!-- devices: 2 -->` (each rank with 2 CPU devices, XLA's
+--xla_force_host_platform_device_count) or both, `<!-- ranks: 4, devices: 2 -->`. A
+docstring's example is a fenced ```python block in it (its `Example:` section), at 2
+ranks. Every example is a whole program: the README's test command runs each group (a
+page, or the docstrings of one package) in one `mpiexec` per rank and device count
+(tests/test_doc_examples.py, tests/run_doc_examples.py).
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
-RANKS = re.compile(r"<!--\s*ranks:\s*(\d+)\s*-->")
+# the annotation before a fence: `<!-- ranks: N -->`, `<!-- devices: D -->` or both,
+# `<!-- ranks: N, devices: D -->`
+LAYOUT = re.compile(r"<!--\s*((?:ranks|devices):\s*\d+(?:\s*,\s*(?:ranks|devices):\s*\d+)*)\s*-->")
 # the languages of the fences that are not Python examples
 OTHER = {"bash", "console", "text", "toml", "yaml", "json", "cpp", "c", "cmake", "ini",
          "mermaid", "diff", "hlo", "mlir"}
 DEFAULT_RANKS = 2
+DEFAULT_DEVICES = 1
 
 
 @dataclasses.dataclass
@@ -30,6 +36,25 @@ class Example:
     where: str   # file:line of the fence
     ranks: int
     source: str
+    devices: int = DEFAULT_DEVICES  # CPU devices per rank
+
+
+def layout(line: str, where: str) -> tuple[int, int]:
+    """(ranks, devices) from the annotation on `line` (the defaults where it has none)."""
+    m = LAYOUT.search(line)
+    if not m:
+        if re.search(r"<!--\s*(ranks|devices)\b", line):
+            raise ValueError(f"{where}: an annotation {line.strip()!r} that is not "
+                             "`<!-- ranks: N -->`, `<!-- devices: D -->` or "
+                             "`<!-- ranks: N, devices: D -->`")
+        return DEFAULT_RANKS, DEFAULT_DEVICES
+    got = {}
+    for part in m.group(1).split(","):
+        key, value = (v.strip() for v in part.split(":"))
+        if key in got or int(value) < 1:
+            raise ValueError(f"{where}: annotation {line.strip()!r}: {key} given twice or < 1")
+        got[key] = int(value)
+    return got.get("ranks", DEFAULT_RANKS), got.get("devices", DEFAULT_DEVICES)
 
 
 def pages() -> list[Path]:
@@ -53,11 +78,11 @@ def fenced(text: str, group: str, where: str, first_line: int = 1) -> list[Examp
             raise ValueError(f"{where}:{first_line + i}: a fence that is never closed")
         if lang in ("python", "py", "python3"):
             prev = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
-            r = RANKS.search(prev)
+            ranks, devices = layout(prev, f"{where}:{first_line + i}")
             body = "\n".join(ln[len(indent):] if ln.startswith(indent) else ln.lstrip()
                              for ln in lines[i + 1:end])
-            out.append(Example(group, f"{where}:{first_line + i}",
-                               int(r.group(1)) if r else DEFAULT_RANKS, body + "\n"))
+            out.append(Example(group, f"{where}:{first_line + i}", ranks, body + "\n",
+                               devices))
         elif lang not in OTHER:
             raise ValueError(f"{where}:{first_line + i}: a fence of language {lang!r}: "
                              f"tag it python (an example the tests run) or one of {sorted(OTHER)}")
@@ -90,9 +115,10 @@ def all_examples() -> list[Example]:
     return out + docstring_examples()
 
 
-def groups(examples: list[Example]) -> dict[tuple[str, int], list[Example]]:
-    """One mpiexec per group and rank count, the examples in the order written."""
-    out: dict[tuple[str, int], list[Example]] = {}
+def groups(examples: list[Example]) -> dict[tuple[str, int, int], list[Example]]:
+    """One mpiexec per group, rank count and device count (`(group, ranks, devices)`),
+    the examples in the order written."""
+    out: dict[tuple[str, int, int], list[Example]] = {}
     for ex in examples:
-        out.setdefault((ex.group, ex.ranks), []).append(ex)
+        out.setdefault((ex.group, ex.ranks, ex.devices), []).append(ex)
     return out

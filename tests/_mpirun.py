@@ -38,6 +38,12 @@ RANK_ENV = {
 }
 
 
+def device_env(ndev: int) -> dict[str, str]:
+    """The job environment of `ndev` CPU devices per process: RANK_ENV's XLA_FLAGS with
+    --xla_force_host_platform_device_count (read when JAX starts its CPU backend)."""
+    return {"XLA_FLAGS": f"{RANK_ENV['XLA_FLAGS']} --xla_force_host_platform_device_count={ndev}"}
+
+
 def mpiexec() -> str:
     here = Path(sys.executable).parent / "mpiexec"
     found = str(here) if here.exists() else shutil.which("mpiexec")

@@ -1,5 +1,5 @@
 """The docs site: `mkdocs build --strict` (warnings are errors) passes, it has its pages
-and its search index, every public name of vjpmpi, vjpmpi.nn, vjpmpi.fft and
+and its search index, every public name of vjpmpi, vjpmpi.nn, vjpmpi.fft, vjpmpi.lax and
 vjpmpi.compat.mpi4jax has a docstring and an entry in the built pages, and every public
 callable's docstring documents each argument, its result and its errors (the examples
 of the pages: test_doc_examples.py)."""
@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # its own: importing vjpmpi initialises MPI).
 LIST_PUBLIC = """
 import json, types
-import vjpmpi, vjpmpi.nn, vjpmpi.fft, vjpmpi.compat.mpi4jax
+import vjpmpi, vjpmpi.nn, vjpmpi.fft, vjpmpi.lax, vjpmpi.compat.mpi4jax
 out = {}
-for m in (vjpmpi, vjpmpi.nn, vjpmpi.fft, vjpmpi.compat.mpi4jax):
+for m in (vjpmpi, vjpmpi.nn, vjpmpi.fft, vjpmpi.lax, vjpmpi.compat.mpi4jax):
     for n in getattr(m, "__all__", dir(m)):
         obj = getattr(m, n)
         if not n.startswith("_") and not isinstance(obj, types.ModuleType):
@@ -57,7 +57,7 @@ def test_docs_build_strict_and_document_every_public_name(tmp_path):
 CHECK_SECTIONS = r"""
 import inspect, json, types, warnings
 import griffe
-import vjpmpi, vjpmpi.nn, vjpmpi.fft
+import vjpmpi, vjpmpi.nn, vjpmpi.fft, vjpmpi.lax
 
 def sections(doc):
     with warnings.catch_warnings():
@@ -96,7 +96,7 @@ def check_function(where, fn, problems, method=False):
         problems.append(f"{where}: no Raises section")
 
 problems, seen = [], 0
-for m in (vjpmpi, vjpmpi.nn, vjpmpi.fft):
+for m in (vjpmpi, vjpmpi.nn, vjpmpi.fft, vjpmpi.lax):
     for n in getattr(m, "__all__", [n for n in dir(m) if not n.startswith("_")]):
         obj = getattr(m, n)
         where = f"{m.__name__}.{n}"

@@ -68,7 +68,8 @@ from pathlib import Path
 
 import pytest
 
-from _mpirun import FAST_COMPILE, RANK_ENV, TESTS, Job, mpi_family, mpirun, network_env
+from _mpirun import (FAST_COMPILE, RANK_ENV, TESTS, Job, device_env, mpi_family, mpirun,
+                     network_env)
 
 TIMEOUT = 1200  # seconds per rank count; a deadlock fails the run instead of hanging CI
 RANKS = [int(n) for n in os.environ.get("VJPMPI_TEST_RANKS", "1,2,3,4,8").split(",")]
@@ -124,13 +125,15 @@ ONLY_AT = {
 DEVICE_FILES = os.environ.get("VJPMPI_TEST_DEVICE_FILES", "mpi/devices").split()
 DEVICE_LAYOUTS = [tuple(int(v) for v in k.split("x")) for k in os.environ.get(
     "VJPMPI_TEST_DEVICE_LAYOUTS", "2x1,2x2,2x4,3x1,3x2,3x4").split(",") if k]
-# The layouts each device file runs at (default: all of them).
-DEVICE_ONLY_AT: dict[str, tuple[tuple[int, int], ...]] = {}
-
-
-def device_env(ndev: int) -> dict[str, str]:
-    """The job environment of `ndev` CPU devices per process."""
-    return {"XLA_FLAGS": f"{RANK_ENV['XLA_FLAGS']} --xla_force_host_platform_device_count={ndev}"}
+# The layouts each device file runs at (default: all of them). The layers' block
+# arithmetic is one formula for any count (as mpi/test_nn.py's): one device per process
+# (the device communicator as the process one), two, and the odd count with the check on;
+# the example (which trains) at 2 x 2, beside tests/test_example_devices.py's 2 x 2 run
+# against 4 processes.
+DEVICE_ONLY_AT: dict[str, tuple[tuple[int, int], ...]] = {
+    "mpi/devices/test_nn_devices.py": ((2, 1), (2, 2), (3, 2)),
+    "mpi/devices/test_example_digits_devices.py": ((2, 2),),
+}
 
 
 # Jobs with more ranks than the machine has cores (3, 4 and 8 on CI's two): MPICH's

@@ -117,7 +117,7 @@ def run(prim: jc.Primitive, args: Sequence, comm: CommRef, params: dict) -> list
             if jc.check_vma():
                 args = [a if comm.axis in jc.vma_of(jax.typeof(a)) else jc.pvary(a, (comm.axis,))
                         for a in args]
-            params, ranks = _ranks_operand(SPEC_OF[prim], params)
+            params, ranks = ranks_operand(SPEC_OF[prim], params)
             args = [*args, *ranks]
         return prim.bind(*args, comm=comm, **params)
     sharded = _placement.sharded_call(prim, SPEC_OF[prim], {"comm": comm, **params}, args)
@@ -126,7 +126,7 @@ def run(prim: jc.Primitive, args: Sequence, comm: CommRef, params: dict) -> list
     return eager(prim, {"comm": comm, **params})(*args)
 
 
-def _ranks_operand(spec, params: dict) -> tuple[dict, list]:
+def ranks_operand(spec, params: dict) -> tuple[dict, list]:
     """`params` with each rank that is a traced value replaced by its `DYNAMIC` entry, and
     the `ranks` operand holding the three ranks ([] where every rank is static)."""
     entries, dynamic = [0, 0, 0], False

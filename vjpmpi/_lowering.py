@@ -103,17 +103,26 @@ def lower(ctx, *args, prim, spec: Collective, **params):
     if where is None:
         return chained_call(ctx, spec, target, arrays, avals_in, ctx.avals_out, attrs, aliases)
     # a device call: `where` first (the device's partition, then the call's ranks)
+    attrs["dev"] = where.attribute(params.get("level", 1), params.get("layout", 0))
+    return chained_call(ctx, spec, target + "_dev", [device_where(spec, params, args), *arrays],
+                        [WHERE, *avals_in], ctx.avals_out, attrs,
+                        {i + 1: j for i, j in aliases.items()})
+
+
+WHERE = jc.ShapedArray((4,), np.int32)  # (a device call's first operand)
+
+
+def device_where(spec: Collective, params, args):
+    """The `where` operand of a device call of `spec` being lowered: the device's partition,
+    then the call's root, destination and source (from its `ranks` operand, the last of
+    `args`, where each device computes them; else its static parameters)."""
+    if dynamic_ranks(params):
+        return jc.device_where(args[-1], 0, 0, 0)
     static = dict.fromkeys(RANK_SLOTS.values(), 0)
     for name, attr in spec.params.items():
-        if attr in RANK_SLOTS and not dynamic:
+        if attr in RANK_SLOTS:
             static[RANK_SLOTS[attr]] = int(params[name])
-    w = jc.device_where(args[-1] if dynamic else None, static[0], static[1], static[2])
-    attrs["dev"] = where.attribute(params.get("level", 1), params.get("layout", 0))
-    return chained_call(ctx, spec, target + "_dev", [w, *arrays], [_WHERE, *avals_in],
-                        ctx.avals_out, attrs, {i + 1: j for i, j in aliases.items()})
-
-
-_WHERE = jc.ShapedArray((4,), np.int32)
+    return jc.device_where(None, static[0], static[1], static[2])
 
 
 def chained_call(ctx, spec: Collective, target: str, args, avals_in, avals_out, attrs: dict,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from ._bind import bind, refuse_here
 from ._derive import make_primitive
 from ._jax_compat import ShapedArray, Zero, instantiate_zeros, is_undefined_primal
-from ._mpi import as_comm
+from ._mpi import DeviceCommRef, as_comm
 from ._primitive import Collective
 from ._validate import array, rank
 
@@ -395,7 +395,10 @@ def gatherv(x, count, *, root: int, capacity: int, comm=None) -> tuple[jax.Array
     k = _ints(count, op, "count", ())
     zero = jnp.zeros(c.size, jnp.int32)
     rows = 0
-    if c.rank == root:  # (only the root uses it: the ranks that wait stop with its message)
+    devices = isinstance(c, DeviceCommRef)  # (one shape on every device: zeros off the root)
+    if devices:
+        rows = _capacity(capacity, op)
+    elif c.rank == root:  # (only the root uses it: the ranks that wait stop with its message)
         try:
             rows = _capacity(capacity, op)
         except (TypeError, ValueError) as e:
@@ -403,7 +406,7 @@ def gatherv(x, count, *, root: int, capacity: int, comm=None) -> tuple[jax.Array
     out = jnp.zeros((rows, *x.shape[1:]), x.dtype)
     sizes = jnp.where(jnp.arange(c.size) == root, k, 0).astype(jnp.int32)
     y, counts = _exchange(op, x, out, zero, sizes, zero, zero, c, root)
-    return (y, counts) if c.rank == root else (x, counts)
+    return (y, counts) if devices or c.rank == root else (x, counts)
 
 
 def scatterv(x, counts, *, root: int, capacity: int, comm=None) -> tuple[jax.Array, jax.Array]:
@@ -451,7 +454,10 @@ def scatterv(x, counts, *, root: int, capacity: int, comm=None) -> tuple[jax.Arr
     x = _rows(x, op, "x")
     given = _ints(counts, op, "counts", (c.size,))
     zero = jnp.zeros(c.size, jnp.int32)
-    sizes = given if c.rank == root else zero
+    if isinstance(c, DeviceCommRef):  # (each device's rank: traced)
+        sizes = jnp.where(c.rank == root, given, zero)
+    else:
+        sizes = given if c.rank == root else zero
     out = jnp.zeros((_capacity(capacity, op), *x.shape[1:]), x.dtype)
     y, received = _exchange(op, x, out, _exclusive(sizes), sizes, zero, zero, c, root)
     return y, received[root]

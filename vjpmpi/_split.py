@@ -26,10 +26,14 @@ from mpi4py import MPI
 
 from . import _jax_compat as jc
 from ._bind import eager
-from ._lowering import chained_call, ffi_attrs
+from . import _placement
+from ._bind import ranks_operand
+from ._lowering import WHERE, chained_call, device_where, ffi_attrs
 from ._ordering import LOWERING_CHECKS
 from ._p2p import prepare
-from ._primitive import LIN_OF, ORDERED, SPEC_OF, Collective, contains_collective, register
+from ._mpi import DeviceCommRef
+from ._primitive import (LIN_OF, ORDERED, SPEC_OF, Collective, contains_collective,
+                         dynamic_ranks, register)
 from ._rules import batch, tangents_out, transpose
 
 _SLOTS = itertools.count(1)  # (the start's number in this process: its wait names it)
@@ -133,8 +137,8 @@ def start(op: Callable, *args: Any, **kwargs: Any) -> Pending:
         raise NotImplementedError(
             f"vjpmpi.start: argument 'status' of vjpmpi.{spec.name} is not supported "
             "in a started call")
-    if params.get("source") == MPI.ANY_SOURCE:  # (the check's header and the data
-        raise NotImplementedError(               # could come from two senders)
+    if isinstance(params.get("source"), int) and params["source"] == MPI.ANY_SOURCE:  # (the
+        raise NotImplementedError(  # check's header and the data could come from two senders)
             f"vjpmpi.start: argument 'source' of vjpmpi.{spec.name} must name a rank "
             "(or MPI.PROC_NULL) in a started call, not MPI.ANY_SOURCE")
     name = spec.name
@@ -143,6 +147,12 @@ def start(op: Callable, *args: Any, **kwargs: Any) -> Pending:
         return Pending(name, state, params, eager=True)
     with _LOCK:
         slot = next(_SLOTS)
+    if isinstance(comm, DeviceCommRef):  # (ranks each device computes: the `ranks` operand)
+        if jc.check_vma():  # (each device's call is its own: its arrays vary over the axis)
+            arrays = [a if comm.axis in jc.vma_of(jax.typeof(a)) else jc.pvary(a, (comm.axis,))
+                      for a in arrays]
+        params, ranks = ranks_operand(spec, params)
+        arrays = [*arrays, *ranks]
     params = {"inner": prim, "slot": slot, "comm": comm, **params}
     state = start_p.bind(*arrays, **params)
     return Pending(name, state, params, trace=jc.trace_state())
@@ -214,7 +224,7 @@ def _start_abstract(*avals, ordered=False, **params):
 
 def _wait_abstract(*avals, inner, ordered=False, sig=0, invalid=0, note=0, slot=0, comm=None,
                    **params):
-    outs = SPEC_OF[inner].out_avals(params, *avals)
+    outs = SPEC_OF[inner].out_avals(params, *(avals[:-1] if dynamic_ranks(params) else avals))
     if slot < 0 and not outs:  # (an eager send's wait: a result to block on)
         outs = [jc.ShapedArray((0,), np.uint8)]
     return outs, _effects(ordered)
@@ -290,18 +300,34 @@ def _inner(params):
 def _lower_start(ctx, *args, **params):  # -> vjpmpi_<op>_start: (operands, token) -> token
     spec, inner = _inner(params)
     _cpu_only(ctx, spec)
+    where = _placement.placement(ctx, spec.name, inner["comm"])
+    if where == "auto":  # (each device starts its own part's call)
+        return _placement.wrap(ctx, start_p, SPEC_OF[start_p], params, args)
     attrs = {**ffi_attrs(ctx, spec, inner), "slot": np.int64(params["slot"])}
-    chained_call(ctx, spec, f"vjpmpi_{spec.ffi_target()}_start", args, ctx.avals_in, [],
-                    attrs)
+    arrays = list(args[:-1] if dynamic_ranks(inner) else args)
+    target = f"vjpmpi_{spec.ffi_target()}_start"
+    if where is None:
+        chained_call(ctx, spec, target, arrays, ctx.avals_in[:len(arrays)], [], attrs)
+    else:
+        attrs["dev"] = where.attribute(inner.get("level", 1), inner.get("layout", 0))
+        chained_call(ctx, spec, target + "_dev", [device_where(spec, inner, args), *arrays],
+                     [WHERE, *ctx.avals_in[:len(arrays)]], [], attrs)
     return list(args)
 
 
 def _lower_wait(ctx, *state, **params):  # -> vjpmpi_wait(_send): token -> (results, token)
     spec, inner = _inner(params)
     _cpu_only(ctx, spec)
+    where = _placement.placement(ctx, spec.name, inner["comm"])
+    if where == "auto":
+        return _placement.wrap(ctx, wait_p, SPEC_OF[wait_p], params, state)
     target = "vjpmpi_wait" if ctx.avals_out else "vjpmpi_wait_send"
     attrs = {"comm": np.int64(inner["comm"].id), "slot": np.int64(params["slot"])}
-    return chained_call(ctx, spec, target, [], [], ctx.avals_out, attrs)
+    if where is None:
+        return chained_call(ctx, spec, target, [], [], ctx.avals_out, attrs)
+    attrs["dev"] = where.attribute(inner.get("level", 1), inner.get("layout", 0))
+    w = jc.device_where(None, 0, 0, 0)  # (a wait needs the device's partition only)
+    return chained_call(ctx, spec, target + "_dev", [w], [WHERE], ctx.avals_out, attrs)
 
 
 def _cpu_only(ctx, spec: Collective):
@@ -323,7 +349,8 @@ def _slot_of_result(spec: Collective) -> int | None:
 def _start_jvp(primals, tangents, **params):
     spec, inner = _inner(params)
     state = start_p.bind(*primals, **params)
-    avals = spec.out_avals(inner, *[jax.typeof(p) for p in primals])
+    arrays = primals[:-1] if dynamic_ranks(inner) else primals  # (less `ranks`)
+    avals = spec.out_avals(inner, *[jax.typeof(p) for p in arrays])
     t_outs = tangents_out(LIN_OF[params["inner"]], spec, primals, tangents, avals,
                              inner)
     t_state = list(tangents)

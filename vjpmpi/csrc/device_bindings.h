@@ -115,4 +115,72 @@ auto DevTokenBinding() {  // (where, token) -> token
   return WithDev(WithAttrs(BindDev<B>().template Arg<ffi::Token>().template Ret<ffi::Token>()));
 }
 
+// vjpmpi.start of a device call (host memory): (where, its arrays, token) -> token, and
+// its wait: (where, token) -> ([y,] token).
+template <typename B>
+Res<B> DevSendStartImpl(CtxOf<B>, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer x,
+                        ffi::Token, ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS,
+                        VJPMPI_DEV_PARAMS, int64_t slot) {
+  return DevStartH("send", where, &x, nullptr, VJPMPI_ATTRS_OF, dev, slot);
+}
+template <typename B>
+Res<B> DevRecvStartImpl(CtxOf<B>, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer t,
+                        ffi::Token, ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS,
+                        VJPMPI_DEV_PARAMS, int64_t slot) {
+  return DevStartH("recv", where, nullptr, &t, VJPMPI_ATTRS_OF, dev, slot);
+}
+template <typename B>
+auto DevStartBinding() {  // (where, x, token) -> token
+  return WithDev(WithAttrs(BindDev<B>().template Arg<ffi::AnyBuffer>().template Arg<ffi::Token>()
+                               .template Ret<ffi::Token>()))
+      .template Attr<int64_t>("slot");
+}
+template <typename B>
+Res<B> DevSendrecvStartImpl(CtxOf<B>, ffi::RunId run, ffi::Buffer<ffi::S32> where,
+                            ffi::AnyBuffer x, ffi::AnyBuffer t, ffi::Token,
+                            ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS,
+                            int64_t slot) {
+  return DevStartH("sendrecv", where, &x, &t, VJPMPI_ATTRS_OF, dev, slot);
+}
+template <typename B>
+auto DevSendrecvStartBinding() {  // (where, x, template, token) -> token
+  return WithDev(WithAttrs(BindDev<B>()
+                               .template Arg<ffi::AnyBuffer>()
+                               .template Arg<ffi::AnyBuffer>()
+                               .template Arg<ffi::Token>()
+                               .template Ret<ffi::Token>()))
+      .template Attr<int64_t>("slot");
+}
+inline Outcome DevWaitImpl(ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::Token,
+                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t comm,
+                           VJPMPI_DEV_PARAMS, int64_t slot) {
+  return DevWaitH(where, y->untyped_data(), y->size_bytes(), comm, slot, run.run_id, dev);
+}
+inline auto DevWaitBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::RunId>()
+      .Arg<ffi::Buffer<ffi::S32>>()  // where
+      .Arg<ffi::Token>()
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::Token>()
+      .Attr<int64_t>("comm")  // vjpmpi's number of the process communicator
+      .Attr<ffi::Span<const int64_t>>("dev")
+      .Attr<int64_t>("slot");
+}
+inline Outcome DevWaitSendImpl(ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::Token,
+                               ffi::Result<ffi::Token>, int64_t comm, VJPMPI_DEV_PARAMS,
+                               int64_t slot) {
+  return DevWaitH(where, nullptr, 0, comm, slot, run.run_id, dev);
+}
+inline auto DevWaitSendBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::RunId>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Token>()
+      .Ret<ffi::Token>()
+      .Attr<int64_t>("comm")
+      .Attr<ffi::Span<const int64_t>>("dev")
+      .Attr<int64_t>("slot");
+}
+
 }  // namespace vjpmpi

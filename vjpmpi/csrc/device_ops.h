@@ -165,6 +165,7 @@ Result<Async> DevUnary(Mem mem, const char* name, ffi::Buffer<ffi::S32> where, f
   d.out = mem.Out(y->untyped_data(), d.out_bytes);
   d.site = a.site;
   d.sig = static_cast<uint64_t>(a.sig);
+  d.run = a.run;
   if (Uses & kUsesRoot) d.invalid = GroupRank(name, "root", d.c.root, size);
   e = mem.Begin();
   if (e.empty()) {
@@ -174,7 +175,9 @@ Result<Async> DevUnary(Mem mem, const char* name, ffi::Buffer<ffi::S32> where, f
     });
   }
   std::string end = mem.End();
-  return Finish<Async>(e.empty() ? end : e);
+  if (e.empty()) e = end;
+  Fail(*s.set, a.run, e);
+  return Finish<Async>(e);
 }
 
 // (where, a, b, token) -> (y, token): the linear recurrence.
@@ -208,6 +211,7 @@ Result<Async> DevRecurrenceH(Mem mem, ffi::Buffer<ffi::S32> where, ffi::AnyBuffe
   d.out = mem.Out(y->untyped_data(), d.out_bytes);
   d.site = at.site;
   d.sig = static_cast<uint64_t>(at.sig);
+  d.run = at.run;
   e = mem.Begin();
   if (e.empty()) {
     e = Meet(runtime, *s.set, s.place, &d, [&](std::vector<DeviceCall*>& calls,
@@ -216,7 +220,9 @@ Result<Async> DevRecurrenceH(Mem mem, ffi::Buffer<ffi::S32> where, ffi::AnyBuffe
     });
   }
   std::string end = mem.End();
-  return Finish<Async>(e.empty() ? end : e);
+  if (e.empty()) e = end;
+  Fail(*s.set, at.run, e);
+  return Finish<Async>(e);
 }
 
 // (where, token) -> token
@@ -235,10 +241,12 @@ Result<Async> DevBarrierH(Mem mem, ffi::Buffer<ffi::S32> where, const Attrs& at,
   d.c.kind = Kind::kU8;
   d.site = at.site;
   d.sig = static_cast<uint64_t>(at.sig);
+  d.run = at.run;
   e = Meet(runtime, *s.set, s.place, &d, [&](std::vector<DeviceCall*>& calls,
                                              const std::string& invalid) {
     return GroupCall(s, calls, invalid, 0, DevBarrier);
   });
+  Fail(*s.set, at.run, e);
   return Finish<Async>(e);
 }
 

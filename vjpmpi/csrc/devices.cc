@@ -191,85 +191,127 @@ std::string Meet(Runtime& rt, DeviceSet& set, const Place& pl, DeviceCall* mine,
            "collective the others have waited in for " + buf + " s (a shard_map body that "
            "makes it on some devices only?): " + DeviceText(*mine);
   };
+  // (a device of this program that failed elsewhere: the others stop waiting for it)
+  std::string failed;
+  auto stopped = [&] {
+    failed = Failure(set, mine->run);
+    return !failed.empty();
+  };
   if (pl.a != 0) {
     mt->cv.notify_all();
-    WaitWatched(rt, lk, mt->cv, [&] { return mt->generation != gen; },
+    WaitWatched(rt, lk, mt->cv, [&] { return mt->generation != gen || stopped(); },
                 [&] { return mt->arrived < pl.local; }, missing);
-    return mt->result;
+    if (mt->generation != gen) return mt->result;
+    mt->calls[static_cast<size_t>(pl.a)] = nullptr;  // (it leaves the meeting)
+    --mt->arrived;
+    return failed;
   }
-  WaitWatched(rt, lk, mt->cv, [&] { return mt->arrived == pl.local; }, [] { return true; },
-              missing);
+  WaitWatched(rt, lk, mt->cv, [&] { return mt->arrived == pl.local || stopped(); },
+              [] { return true; }, missing);
   std::vector<DeviceCall*> calls = mt->calls;
+  const bool complete = mt->arrived == pl.local;
   lk.unlock();
-  std::string invalid = Disagreement(pl, calls);
+  // (a device that failed: the other processes' calls fail with its error in the ranks'
+  // agreement, the process call itself does not run)
+  std::string invalid = complete ? Disagreement(pl, calls) : failed;
   std::string e = work(calls, invalid);
+  if (!complete && e.empty()) e = failed;
   lk.lock();
   mt->result = e;
-  mt->arrived = 0;
-  std::fill(mt->calls.begin(), mt->calls.end(), nullptr);
-  ++mt->generation;
+  if (complete) {
+    mt->arrived = 0;
+    std::fill(mt->calls.begin(), mt->calls.end(), nullptr);
+    ++mt->generation;
+  } else {
+    mt->calls[0] = nullptr;  // (the others that came leave on their own)
+    --mt->arrived;
+  }
   mt->cv.notify_all();
   return e;
 }
 
+void Fail(DeviceSet& set, int64_t run, const std::string& error) {
+  if (error.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(set.failed_mutex);
+    if (set.failed.size() > 64) set.failed.clear();  // (runs long over)
+    set.failed.emplace(run, error);
+  }
+  for (auto& box : set.boxes) {  // (wake the devices that wait for a letter)
+    std::lock_guard<std::mutex> b(box->m);
+    box->cv.notify_all();
+  }
+  std::lock_guard<std::mutex> m(set.meetings_mutex);
+  for (auto& kv : set.meetings) {
+    std::lock_guard<std::mutex> g(kv.second->m);
+    kv.second->cv.notify_all();
+  }
+}
+
+std::string Failure(DeviceSet& set, int64_t run) {
+  std::lock_guard<std::mutex> lock(set.failed_mutex);
+  auto it = set.failed.find(run);
+  if (it == set.failed.end()) return {};
+  return "another device of this process failed in this run of the program: " + it->second;
+}
+
 // ------------------------------------------------------------- letters --
-void PostLetter(Runtime&, DeviceSet& set, int to, Letter* letter) {
+void PostLetter(DeviceSet& set, int to, int from, int tag, Kind kind, size_t count,
+                const void* data, size_t bytes, int64_t site) {
+  auto letter = std::make_unique<Letter>();
+  letter->from = from;
+  letter->tag = tag;
+  letter->kind = kind;
+  letter->count = count;
+  letter->site = site;
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  if (bytes) letter->data.assign(p, p + bytes);
   Mailbox& box = *set.boxes[static_cast<size_t>(to)];
   std::lock_guard<std::mutex> lock(box.m);
-  box.letters.push_back(letter);
+  box.letters.push_back(std::move(letter));
   box.cv.notify_all();
 }
 
 std::string TakeLetter(Runtime& rt, DeviceSet& set, int me, int from, int tag, Kind kind,
-                       size_t count, void* out, const char* op) {
+                       size_t count, void* out, const char* op, int64_t run) {
   Mailbox& box = *set.boxes[static_cast<size_t>(me)];
   std::unique_lock<std::mutex> lk(box.m);
-  Letter* got = nullptr;
+  std::unique_ptr<Letter> got;
   auto find = [&] {
     for (auto it = box.letters.begin(); it != box.letters.end(); ++it) {
       if ((*it)->from == from && (tag == MPI_ANY_TAG || (*it)->tag == tag)) {
-        got = *it;
+        got = std::move(*it);
         box.letters.erase(it);
         return true;
       }
     }
     return false;
   };
-  WaitWatched(rt, lk, box.cv, find, [] { return true; }, [&](double waited) {
+  std::string failed;
+  auto stopped = [&] {
+    if (find()) return true;
+    lk.unlock();  // (Failure locks the set)
+    failed = Failure(set, run);
+    lk.lock();
+    return !failed.empty() || find();
+  };
+  WaitWatched(rt, lk, box.cv, stopped, [] { return true; }, [&](double waited) {
     char buf[64];
     std::snprintf(buf, sizeof buf, "%.1f", waited);
     return std::string("vjpmpi.") + op + ": partition " + std::to_string(me) +
            " has waited " + buf + " s for a message from partition " + std::to_string(from) +
            " of this process";
   });
-  std::string e;
+  lk.unlock();
+  if (got == nullptr) return std::string("vjpmpi.") + op + ": " + failed;
   if (got->kind != kind || got->count != count) {
-    e = std::string("vjpmpi.") + op + ": partition " + std::to_string(me) + " receives " +
-        std::to_string(count) + " " + KindName(kind) + " elements from partition " +
-        std::to_string(from) + " of this process, which sends " + std::to_string(got->count) +
-        " " + KindName(got->kind) + " elements";
-  } else if (count) {
-    std::memcpy(out, got->data, count * ByteSize(kind));
+    return std::string("vjpmpi.") + op + ": partition " + std::to_string(me) + " receives " +
+           std::to_string(count) + " " + KindName(kind) + " elements from partition " +
+           std::to_string(from) + " of this process, which sends " + std::to_string(got->count) +
+           " " + KindName(got->kind) + " elements";
   }
-  got->error = e;
-  got->taken = true;
-  box.cv.notify_all();
-  return e;
-}
-
-std::string Delivered(Runtime& rt, DeviceSet& set, int to, Letter* letter, const char* op) {
-  Mailbox& box = *set.boxes[static_cast<size_t>(to)];
-  std::unique_lock<std::mutex> lk(box.m);
-  WaitWatched(rt, lk, box.cv, [&] { return letter->taken; }, [] { return true; },
-              [&](double waited) {
-                char buf[64];
-                std::snprintf(buf, sizeof buf, "%.1f", waited);
-                return std::string("vjpmpi.") + op + ": partition " +
-                       std::to_string(letter->from) + "'s message to partition " +
-                       std::to_string(to) + " of this process has not been received after " +
-                       buf + " s";
-              });
-  return letter->error;
+  if (!got->data.empty()) std::memcpy(out, got->data.data(), got->data.size());
+  return {};
 }
 
 // ------------------------------------------------- a group's collectives --

@@ -26,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "agree.h"
@@ -56,16 +57,16 @@ struct Place {
 // The `dev` attribute is [N, D, stride, layout, level, group]; an error text for a bad one.
 std::string MakePlace(int64_t base, int64_t pid, const int64_t* dev, size_t n, Place* out);
 
-// A message between two devices of this process (send / recv / sendrecv).
+// A message between two devices of this process (send / recv / sendrecv, the ragged
+// exchange): a copy of what was sent, so that a send returns at once, as MPI's small
+// (eager) messages do: a ring of sends between devices never waits for itself.
 struct Letter {
   int from = 0;  // the sending partition
   int tag = 0;
   Kind kind = Kind::kUnsupported;
   size_t count = 0;
-  const void* data = nullptr;
+  std::vector<unsigned char> data;
   int64_t site = 0;
-  bool taken = false;
-  std::string error;  // the receiver's, for the sender too
 };
 
 // One device's part of a group's collective, as it brings it to the meeting.
@@ -78,6 +79,7 @@ struct DeviceCall {
   int64_t site = 0;
   uint64_t sig = 0;
   std::string invalid;         // an argument error found by this device (its root)
+  int64_t run = 0;             // the XLA run id of its program's execution
 };
 
 struct Meeting {  // one group's
@@ -92,7 +94,7 @@ struct Meeting {  // one group's
 struct Mailbox {  // one receiving device's
   std::mutex m;
   std::condition_variable cv;
-  std::vector<Letter*> letters;  // posted, not yet taken, in order
+  std::vector<std::unique_ptr<Letter>> letters;  // posted, not yet taken, in order
 };
 
 struct DeviceSet {
@@ -105,6 +107,14 @@ struct DeviceSet {
   std::vector<std::unique_ptr<Mailbox>> boxes;  // per receiving partition
   std::mutex meetings_mutex;
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<Meeting>> meetings;  // (layout, g)
+  // Started point-to-point calls of a group's devices (vjpmpi.start; device_p2p.h's
+  // DeviceStartedCall), by (partition, slot, run), until their wait.
+  std::mutex started_mutex;
+  std::map<std::tuple<int, int64_t, int64_t>, std::shared_ptr<void>> started;
+  // Runs (XLA's run ids) in which a device call failed, and why: the program's other
+  // devices stop waiting for it (Meet, TakeLetter) with the same error.
+  std::mutex failed_mutex;
+  std::map<int64_t, std::string> failed;
 };
 
 // The devices of communicator `base` in programs of `parts` devices (made on first use;
@@ -127,14 +137,19 @@ using GroupWork = std::function<std::string(std::vector<DeviceCall*>&, const std
 std::string Meet(Runtime& rt, DeviceSet& set, const Place& pl, DeviceCall* mine,
                  const GroupWork& work);
 
-// Messages between devices of this process: Post leaves a letter for partition `to`
-// (the caller keeps it alive until Delivered); Take waits for the first letter from
-// partition `from` with `tag` (any tag: ANY_TAG) and copies it into `out` (its kind and
-// element count must be `kind` and `count`); Delivered waits until the letter is taken.
-void PostLetter(Runtime& rt, DeviceSet& set, int to, Letter* letter);
+// Messages between devices of this process: Post leaves a letter for partition `to` (a
+// copy of `bytes` bytes at `data`, returning at once); Take waits for the first letter
+// from partition `from` with `tag` (any tag: ANY_TAG) and copies it into `out` (its kind
+// and element count must be `kind` and `count`).
+void PostLetter(DeviceSet& set, int to, int from, int tag, Kind kind, size_t count,
+                const void* data, size_t bytes, int64_t site);
 std::string TakeLetter(Runtime& rt, DeviceSet& set, int me, int from, int tag, Kind kind,
-                       size_t count, void* out, const char* op);
-std::string Delivered(Runtime& rt, DeviceSet& set, int to, Letter* letter, const char* op);
+                       size_t count, void* out, const char* op, int64_t run);
+
+// A device call of run `run` failed with `error`: the run's other devices stop waiting
+// (Meet, TakeLetter) with it; Failure: why run `run` failed ("": it did not).
+void Fail(DeviceSet& set, int64_t run, const std::string& error);
+std::string Failure(DeviceSet& set, int64_t run);
 
 // ------------------------------------------------- a group's collectives --
 // Run by the group's first device on its duplicate (`pc.comm`), with every device's

@@ -63,6 +63,11 @@ std::vector<Registration> Registrations() {
     add("recv_start", &Entry<&RecvStartImpl<B>, &StartBinding<B>>);
     add("sendrecv_start", &Entry<&SendrecvStartImpl<B>, &SendrecvStartBinding<B>>);
     add("wait", &Entry<&WaitImpl, &WaitBinding>);
+    add("send_start_dev", &Entry<&DevSendStartImpl<B>, &DevStartBinding<B>>);
+    add("recv_start_dev", &Entry<&DevRecvStartImpl<B>, &DevStartBinding<B>>);
+    add("sendrecv_start_dev", &Entry<&DevSendrecvStartImpl<B>, &DevSendrecvStartBinding<B>>);
+    add("wait_dev", &Entry<&DevWaitImpl, &DevWaitBinding>);
+    add("wait_send_dev", &Entry<&DevWaitSendImpl, &DevWaitSendBinding>);
     add("wait_send", &Entry<&WaitSendImpl, &WaitSendBinding>);
   }
   return r;

@@ -13,7 +13,7 @@ from .._mpi import CommRef
 from .._replicated import use_replicated
 from ._linear import ColumnParallelLinear, RowParallelLinear
 from ._sequence import gather_sequence, scatter_sequence_sum
-from ._shard import block, comm_ref
+from ._shard import block, comm_ref, take
 
 _PROJECTIONS = ("query_proj", "key_proj", "value_proj", "output_proj")
 
@@ -39,12 +39,20 @@ class ParallelMultiheadAttention(eqx.Module):
     query/key/value projections, a row-parallel output projection (one
     `sum_replicated`).
 
+    On a device communicator (`vjpmpi.device_comm`, the layer built inside the
+    `jax.shard_map` body) every device is a rank: it keeps the block of its rank (a traced
+    value, sliced with `jax.lax.dynamic_slice`), and each of its parameters varies over
+    the mesh axis (each device's own copy, as each process's on a process communicator),
+    so that its gradient is the device's own; pass it out of the shard_map split over the
+    axis (`out_specs=P(axis)`) and back in the same way.
+
     Args:
         num_heads (int): the number of heads (all ranks together), divisible by the
             communicator's size.
         query_size (int): the query's feature size.
-        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator the heads are
-            split over (None: vjpmpi's private duplicate of COMM_WORLD).
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+            the heads are split over (None: vjpmpi's private duplicate of COMM_WORLD; a
+            `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the ranks).
         key (jax.random.PRNGKey | None): the initialisation key, the same on every rank
             (each rank draws the whole layer and keeps its heads); needed unless `dense`
             is given.
@@ -58,7 +66,8 @@ class ParallelMultiheadAttention(eqx.Module):
     Raises:
         ValueError: neither `key` nor `dense` is given, or `num_heads` is not divisible
             by the communicator's size.
-        TypeError: `comm` is not an mpi4py intracommunicator or None.
+        TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
+            or None.
 
     Shape:
         replicated `(q_seq, query_size)`, `(kv_seq, key_size)`, `(kv_seq, value_size)`
@@ -111,15 +120,18 @@ class ParallelMultiheadAttention(eqx.Module):
 
         Args:
             layer (eqx.nn.MultiheadAttention): the whole layer, the same on every rank.
-            comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None:
-                vjpmpi's private duplicate of COMM_WORLD).
+            comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the
+                communicator (None: vjpmpi's private duplicate of COMM_WORLD; a
+                `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the
+                ranks).
 
         Returns:
             (ParallelMultiheadAttention): the layer holding this rank's heads of `layer`.
 
         Raises:
             ValueError: `layer.num_heads` is not divisible by the communicator's size.
-            TypeError: `comm` is not an mpi4py intracommunicator or None.
+            TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
+                or None.
         """
         return cls(layer.num_heads, layer.query_size, comm=comm, dense=layer)
 
@@ -229,8 +241,8 @@ class ParallelMultiheadAttention(eqx.Module):
         if xk.shape[0] != xv.shape[0]:
             raise ValueError("vjpmpi.nn.ParallelMultiheadAttention: key_ and value must have "
                              "the same sequence length")
-        start, stop = block(self.num_heads, self.comm, "ParallelMultiheadAttention", "num_heads")
-        heads = stop - start
+        start, _ = block(self.num_heads, self.comm, "ParallelMultiheadAttention", "num_heads")
+        heads = self.num_heads // self.comm.size
 
         def project(proj, x):
             return jax.vmap(proj.local)(x).reshape(x.shape[0], heads, -1)
@@ -244,7 +256,7 @@ class ParallelMultiheadAttention(eqx.Module):
                 raise ValueError("vjpmpi.nn.ParallelMultiheadAttention: process_heads must "
                                  "not change the shape of the heads")
         # the dense layer's per-head keys and masks, this rank's heads of them
-        keys = None if key is None else jax.random.split(key, self.num_heads)[start:stop]
+        keys = None if key is None else take(jax.random.split(key, self.num_heads), start, heads)
         per_head = mask is not None and mask.ndim == 3
         want = (xq.shape[0], xk.shape[0])
         if mask is not None and (mask.ndim not in (2, 3) or tuple(mask.shape[-2:]) != want):
@@ -256,7 +268,7 @@ class ParallelMultiheadAttention(eqx.Module):
                 raise ValueError(
                     f"vjpmpi.nn.ParallelMultiheadAttention: a 3-D mask must have num_heads="
                     f"{self.num_heads} rows, got shape {mask.shape}")
-            mask = mask[start:stop]
+            mask = take(mask, start, heads)
         attn = jax.vmap(
             lambda qh, kh, vh, mh, key_h: _head(qh, kh, vh, mh, self.dropout, key_h, inference),
             in_axes=(1, 1, 1, 0 if per_head else None, None if keys is None else 0),

@@ -8,7 +8,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._mpi import CommRef
 from .._replicated import sum_replicated
-from ._shard import block, comm_ref, gather_blocks
+from ._shard import block, comm_ref, gather_blocks, take_block
 
 
 class VocabParallelEmbedding(eqx.Module):
@@ -20,12 +20,20 @@ class VocabParallelEmbedding(eqx.Module):
     gradient lands on the rank that owns it. Built from `key`, it holds the rows of
     `eqx.nn.Embedding(num_embeddings, embedding_size, key=key)`.
 
+    On a device communicator (`vjpmpi.device_comm`, the layer built inside the
+    `jax.shard_map` body) every device is a rank: it keeps the block of its rank (a traced
+    value, sliced with `jax.lax.dynamic_slice`), and each of its parameters varies over
+    the mesh axis (each device's own copy, as each process's on a process communicator),
+    so that its gradient is the device's own; pass it out of the shard_map split over the
+    axis (`out_specs=P(axis)`) and back in the same way.
+
     Args:
         num_embeddings (int): the vocabulary's size (all ranks together), divisible by
             the communicator's size.
         embedding_size (int): the size of each embedding vector.
-        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator the vocabulary
-            is split over (None: vjpmpi's private duplicate of COMM_WORLD).
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+            the vocabulary is split over (None: vjpmpi's private duplicate of COMM_WORLD; a
+            `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the ranks).
         key (jax.random.PRNGKey | None): the initialisation key, the same on every rank
             (each rank draws the whole table and keeps its rows); needed unless `dense`
             is given.
@@ -36,7 +44,8 @@ class VocabParallelEmbedding(eqx.Module):
     Raises:
         ValueError: neither `key` nor `dense` is given, `dense` has a table of shape other than `(num_embeddings, embedding_size)`,
             or `num_embeddings` is not divisible by the communicator's size.
-        TypeError: `comm` is not an mpi4py intracommunicator or None.
+        TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
+            or None.
 
     Shape:
         replicated token ids `(...)` -> replicated `(..., embedding_size)`.
@@ -63,8 +72,8 @@ class VocabParallelEmbedding(eqx.Module):
                              f"{num_embeddings} and embedding_size={embedding_size} make "
                              f"{(num_embeddings, embedding_size)}")
         self.comm = comm_ref(comm, "VocabParallelEmbedding")
-        start, stop = block(num_embeddings, self.comm, "VocabParallelEmbedding", "num_embeddings")
-        self.weight = dense.weight[start:stop]
+        self.weight = take_block(dense.weight, self.comm, "VocabParallelEmbedding",
+                                 "num_embeddings")
         self.num_embeddings, self.embedding_size = num_embeddings, embedding_size
 
     @classmethod
@@ -73,15 +82,18 @@ class VocabParallelEmbedding(eqx.Module):
 
         Args:
             layer (eqx.nn.Embedding): the whole table, the same on every rank.
-            comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None:
-                vjpmpi's private duplicate of COMM_WORLD).
+            comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the
+                communicator (None: vjpmpi's private duplicate of COMM_WORLD; a
+                `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the
+                ranks).
 
         Returns:
             (VocabParallelEmbedding): the layer holding this rank's rows of `layer`.
 
         Raises:
             ValueError: `layer.num_embeddings` is not divisible by the communicator's size.
-            TypeError: `comm` is not an mpi4py intracommunicator or None.
+            TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
+                or None.
         """
         return cls(layer.num_embeddings, layer.embedding_size, comm=comm, dense=layer)
 

@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._mpi import CommRef
 from .._replicated import sum_replicated, use_replicated
-from ._shard import block, comm_ref, gather_blocks
+from ._shard import block, comm_ref, gather_blocks, own, take, take_block
 
 
 def _dense(layer, in_features, out_features, use_bias, key, dense):
@@ -48,11 +48,12 @@ class _ShardedLinear(eqx.Module):
         layer, axis = type(self).__name__, self._axis
         dense = _dense(layer, in_features, out_features, use_bias, key, dense)
         self.comm = comm_ref(comm, layer)
-        start, stop = block((out_features, in_features)[axis], self.comm, layer,
-                            ("out_features", "in_features")[axis])
-        self.weight = dense.weight[start:stop] if axis == 0 else dense.weight[:, start:stop]
+        what = ("out_features", "in_features")[axis]
+        weight = take_block(dense.weight, self.comm, layer, what, axis)
         has_bias = dense.bias is not None
-        self.bias = dense.bias[start:stop] if has_bias and axis == 0 else dense.bias
+        bias = (take_block(dense.bias, self.comm, layer, what) if has_bias and axis == 0
+                else dense.bias)
+        self.weight, self.bias = own((weight, bias), self.comm)
         self.in_features, self.out_features = in_features, out_features
 
     @classmethod
@@ -61,8 +62,10 @@ class _ShardedLinear(eqx.Module):
 
         Args:
             layer (eqx.nn.Linear): the whole layer, the same on every rank.
-            comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None:
-                vjpmpi's private duplicate of COMM_WORLD).
+            comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the
+                communicator (None: vjpmpi's private duplicate of COMM_WORLD; a
+                `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the
+                ranks).
             **options (Any): the layer's keyword (`gather_output=` for
                 `ColumnParallelLinear`, `input_is_parallel=` for `RowParallelLinear`).
 
@@ -72,7 +75,8 @@ class _ShardedLinear(eqx.Module):
 
         Raises:
             ValueError: the split feature axis is not divisible by the communicator's size.
-            TypeError: `comm` is not an mpi4py intracommunicator or None.
+            TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
+                or None.
         """
         return cls(layer.in_features, layer.out_features, layer.bias is not None, comm=comm,
                    dense=layer, **options)
@@ -106,6 +110,13 @@ class ColumnParallelLinear(_ShardedLinear):
     `eqx.nn.Linear(key=key)` on any number of ranks. The first layer of a Megatron-LM
     pair; `RowParallelLinear` (with `input_is_parallel=True`) takes its block as it is.
 
+    On a device communicator (`vjpmpi.device_comm`, the layer built inside the
+    `jax.shard_map` body) every device is a rank: it keeps the block of its rank (a traced
+    value, sliced with `jax.lax.dynamic_slice`), and each of its parameters varies over
+    the mesh axis (each device's own copy, as each process's on a process communicator),
+    so that its gradient is the device's own; pass it out of the shard_map split over the
+    axis (`out_specs=P(axis)`) and back in the same way.
+
     Args:
         in_features (int): the input's size.
         out_features (int): the output's size (all ranks together), divisible by the
@@ -113,8 +124,9 @@ class ColumnParallelLinear(_ShardedLinear):
         use_bias (bool): whether the layer has a bias (split with the output features).
         gather_output (bool): return the whole replicated output (False: this rank's
             block of it).
-        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator the weight is
-            split over (None: vjpmpi's private duplicate of COMM_WORLD).
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+            the weight is split over (None: vjpmpi's private duplicate of COMM_WORLD; a
+            `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the ranks).
         key (jax.random.PRNGKey | None): the initialisation key, the same on every rank
             (each rank draws the whole layer and keeps its block); needed unless `dense`
             is given.
@@ -125,7 +137,8 @@ class ColumnParallelLinear(_ShardedLinear):
     Raises:
         ValueError: neither `key` nor `dense` is given, `dense` has a weight of shape other than `(out_features, in_features)`,
             or `out_features` is not divisible by the communicator's size.
-        TypeError: `comm` is not an mpi4py intracommunicator or None.
+        TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
+            or None.
 
     Shape:
         replicated `(in_features,)` -> this rank's block `(out_features // size,)`, or with
@@ -206,6 +219,13 @@ class RowParallelLinear(_ShardedLinear):
     reduction. The second layer of a Megatron-LM pair (see `ColumnParallelLinear`).
     Initialising from `key` gives the same global weights as `eqx.nn.Linear(key=key)`.
 
+    On a device communicator (`vjpmpi.device_comm`, the layer built inside the
+    `jax.shard_map` body) every device is a rank: it keeps the block of its rank (a traced
+    value, sliced with `jax.lax.dynamic_slice`), and each of its parameters varies over
+    the mesh axis (each device's own copy, as each process's on a process communicator),
+    so that its gradient is the device's own; pass it out of the shard_map split over the
+    axis (`out_specs=P(axis)`) and back in the same way.
+
     Args:
         in_features (int): the input's size (all ranks together), divisible by the
             communicator's size.
@@ -213,8 +233,9 @@ class RowParallelLinear(_ShardedLinear):
         use_bias (bool): whether the layer has a bias (replicated).
         input_is_parallel (bool): the input is this rank's block of the features (True),
             or the whole replicated input, which the layer splits on entry (False).
-        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator the weight is
-            split over (None: vjpmpi's private duplicate of COMM_WORLD).
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+            the weight is split over (None: vjpmpi's private duplicate of COMM_WORLD; a
+            `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the ranks).
         key (jax.random.PRNGKey | None): the initialisation key, the same on every rank
             (each rank draws the whole layer and keeps its block); needed unless `dense`
             is given.
@@ -225,7 +246,8 @@ class RowParallelLinear(_ShardedLinear):
     Raises:
         ValueError: neither `key` nor `dense` is given, `dense` has a weight of shape other than `(out_features, in_features)`,
             or `in_features` is not divisible by the communicator's size.
-        TypeError: `comm` is not an mpi4py intracommunicator or None.
+        TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
+            or None.
 
     Shape:
         this rank's block `(in_features // size,)` (`input_is_parallel=True`) or the
@@ -276,7 +298,7 @@ class RowParallelLinear(_ShardedLinear):
             The output, `(out_features,)`, the same on every rank.
         """
         if not self.input_is_parallel:
-            start, stop = self._block()
-            x = use_replicated(x, comm=self.comm)[start:stop]
+            start, _ = self._block()
+            x = take(use_replicated(x, comm=self.comm), start, self.weight.shape[1])
         y = sum_replicated(self.weight @ x, comm=self.comm)
         return y if self.bias is None else y + self.bias

@@ -26,15 +26,17 @@ def vocab_parallel_cross_entropy(logits_shard: Float[Array, "... vocab_block"],
         logits_shard (Array): this rank's block of the logits, `(..., vocab // size)`.
         labels (Array): integer labels `(...)`, ids in the whole vocabulary, the same on
             every rank.
-        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator the vocabulary
-            is split over (None: vjpmpi's private duplicate of COMM_WORLD).
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+            the vocabulary is split over (None: vjpmpi's private duplicate of COMM_WORLD; a
+            `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the ranks).
 
     Returns:
         The loss of each position, `(...)` (not averaged), the same on every rank.
 
     Raises:
         ValueError: `labels`' shape is not `logits_shard`'s leading axes.
-        TypeError: `comm` is not an mpi4py intracommunicator or None.
+        TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
+            or None.
 
     Shape:
         `(..., vocab // size)` and `(...)` -> replicated `(...)`.

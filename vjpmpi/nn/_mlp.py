@@ -15,7 +15,8 @@ from .._reductions import allreduce
 from .._replicated import use_replicated
 from ._linear import ColumnParallelLinear, RowParallelLinear
 from ._sequence import gather_sequence, replicated, scatter_sequence_sum
-from ._shard import agree_on_buckets, bucket_bytes_arg, buckets, comm_ref, concat, dtype_groups, split_into
+from ._shard import (agree_on_buckets, bucket_bytes_arg, buckets, comm_ref, concat, dtype_groups,
+                     own, split_into)
 
 
 def _identity(x):
@@ -39,6 +40,13 @@ class ParallelMLP(eqx.Module):
     (one layer) is kept as it is. Built from `key`, it holds the shards of
     `eqx.nn.MLP(..., key=key)`; `to_dense` gathers that MLP back.
 
+    On a device communicator (`vjpmpi.device_comm`, the layer built inside the
+    `jax.shard_map` body) every device is a rank: it keeps the block of its rank (a traced
+    value, sliced with `jax.lax.dynamic_slice`), and each of its parameters varies over
+    the mesh axis (each device's own copy, as each process's on a process communicator),
+    so that its gradient is the device's own; pass it out of the shard_map split over the
+    axis (`out_specs=P(axis)`) and back in the same way.
+
     Args:
         in_size (int): the input's size.
         out_size (int): the output's size.
@@ -51,8 +59,10 @@ class ParallelMLP(eqx.Module):
             identity), a plain function.
         use_bias (bool): whether the hidden layers have biases.
         use_final_bias (bool): whether the last layer has a bias.
-        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator the hidden
-            units are split over (None: vjpmpi's private duplicate of COMM_WORLD).
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+            the hidden units are split over (None: vjpmpi's private duplicate of COMM_WORLD;
+            a `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the
+            ranks).
         key (jax.random.PRNGKey | None): the initialisation key, the same on every rank;
             needed unless `dense` is given.
         dense (eqx.nn.MLP | None): a whole MLP (the same on every rank) to split instead
@@ -65,7 +75,8 @@ class ParallelMLP(eqx.Module):
             `scan=True` or a `'scalar'` input or output size; an activation with
             parameters (a learnt one); `width_size` not divisible by the
             communicator's size.
-        TypeError: `comm` is not an mpi4py intracommunicator or None.
+        TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
+            or None.
 
     Shape:
         replicated `(in_size,)` -> replicated `(out_size,)`.
@@ -123,14 +134,14 @@ class ParallelMLP(eqx.Module):
         self.comm = comm_ref(comm, "ParallelMLP")
         layers, n = [], len(dense.layers)
         if dense.depth == 0:  # nothing to split: the MLP itself, whole on every rank
-            layers, n = [dense], 0
+            layers, n = [own(dense, self.comm)], 0
         for i, layer in enumerate(dense.layers[:n]):
             if i % 2 == 0 and i + 1 < n:
                 layers.append(ColumnParallelLinear.from_dense(layer, comm))
             elif i % 2:
                 layers.append(RowParallelLinear.from_dense(layer, comm, input_is_parallel=True))
             else:
-                layers.append(layer)
+                layers.append(own(layer, self.comm))
         self.layers = tuple(layers)
         self.in_size, self.out_size = dense.in_size, dense.out_size
         self.width_size, self.depth = dense.width_size, dense.depth
@@ -142,8 +153,10 @@ class ParallelMLP(eqx.Module):
 
         Args:
             mlp (eqx.nn.MLP): the whole MLP, the same on every rank.
-            comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None:
-                vjpmpi's private duplicate of COMM_WORLD).
+            comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the
+                communicator (None: vjpmpi's private duplicate of COMM_WORLD; a
+                `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the
+                ranks).
 
         Returns:
             (ParallelMLP): the layer holding this rank's shards of `mlp`.
@@ -151,7 +164,8 @@ class ParallelMLP(eqx.Module):
         Raises:
             ValueError: as the constructor (`scan=True`, a `'scalar'` size, a learnt
                 activation, a width not divisible by the communicator's size).
-            TypeError: `comm` is not an mpi4py intracommunicator or None.
+            TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
+                or None.
         """
         return cls(mlp.in_size, mlp.out_size, mlp.width_size, comm=comm, dense=mlp)
 
@@ -248,14 +262,22 @@ def allreduce_gradients(grads: PyTree, *, mean: bool = True, bucket_bytes: int |
     message size: tests/mpi/test_async.py checks it at 1-4 ranks). Non-array leaves pass through unchanged.
     Works on gradients from `eqx.filter_grad` and as a step before `optax` updates.
 
+    On a device communicator (`vjpmpi.device_comm`) each device is a rank: give each its
+    own copy of the parameters (passed to the `jax.shard_map` split over the mesh axis, as
+    each process holds its own), so that their gradients are each device's. A parameter
+    that does not vary over the axis (passed whole, `P()`) has from JAX already the sum of
+    every device's gradient (the transpose of its implicit `pvary`): reduced again here,
+    it would count `size` times.
+
     Args:
         grads (PyTree): a pytree (gradients), of the same structure, shapes and dtypes on
             every rank.
         mean (bool): divide the sum by the communicator's size.
         bucket_bytes (int | None): one allreduce per run of at most this many bytes
             (None: one per dtype); the same on every rank.
-        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None: vjpmpi's
-            private duplicate of COMM_WORLD).
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+            (None: vjpmpi's private duplicate of COMM_WORLD; a `vjpmpi.device_comm` inside a
+            `jax.shard_map` body: its devices are the ranks).
 
     Returns:
         `grads` with every inexact-array leaf reduced (summed, or averaged with `mean`)
@@ -263,7 +285,8 @@ def allreduce_gradients(grads: PyTree, *, mean: bool = True, bucket_bytes: int |
 
     Raises:
         ValueError: a `bucket_bytes` that is not a positive int or None.
-        TypeError: `comm` is not an mpi4py intracommunicator or None.
+        TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
+            or None.
         jax.errors.JaxRuntimeError: when run, on every rank, where the ranks'
             `bucket_bytes` differ (saying so).
 
@@ -320,14 +343,22 @@ def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None
     vjpmpi.async_threshold) travels while the backward pass goes on. The gradient
     equals `allreduce_gradients` of the local gradient, bit for bit.
 
+    On a device communicator (`vjpmpi.device_comm`) each device is a rank: give each its
+    own copy of the parameters (passed to the `jax.shard_map` split over the mesh axis, as
+    each process holds its own), so that their gradients are each device's. A parameter
+    that does not vary over the axis (passed whole, `P()`) has from JAX already the sum of
+    every device's gradient (the transpose of its implicit `pvary`): reduced again here,
+    it would count `size` times.
+
     Args:
         model (PyTree): a pytree (the parameters, as the loss uses them), of the same
             structure, shapes and dtypes on every rank.
         mean (bool): divide the gradient's sum by the communicator's size.
         bucket_bytes (int | None): the most bytes of one bucket (None: one per dtype);
             the same on every rank.
-        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None: vjpmpi's
-            private duplicate of COMM_WORLD).
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+            (None: vjpmpi's private duplicate of COMM_WORLD; a `vjpmpi.device_comm` inside a
+            `jax.shard_map` body: its devices are the ranks).
 
     Returns:
         `model` unchanged (the same leaves' values), with the gradient sync on its
@@ -335,7 +366,8 @@ def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None
 
     Raises:
         ValueError: a `bucket_bytes` that is not a positive int or None.
-        TypeError: `comm` is not an mpi4py intracommunicator or None.
+        TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
+            or None.
         jax.errors.JaxRuntimeError: when run, on every rank, where the ranks'
             `bucket_bytes` differ (saying so).
 

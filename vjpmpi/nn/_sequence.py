@@ -22,14 +22,16 @@ def gather_sequence(x: Float[Array, "seq_block ..."], comm=None) -> Float[Array,
     Args:
         x (Array): this rank's block of the sequence, `(seq // size, ...)`, the same
             shape and dtype on every rank.
-        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None: vjpmpi's
-            private duplicate of COMM_WORLD).
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+            (None: vjpmpi's private duplicate of COMM_WORLD; a `vjpmpi.device_comm` inside a
+            `jax.shard_map` body: its devices are the ranks).
 
     Returns:
         The whole sequence, `(seq, ...)`, the same on every rank.
 
     Raises:
-        TypeError: `comm` is not an mpi4py intracommunicator or None.
+        TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
+            or None.
         jax.errors.JaxRuntimeError: when run, on every rank, where the ranks' blocks
             differ in shape or dtype (vjpmpi's agreement on the allgather).
 
@@ -66,15 +68,17 @@ def scatter_sequence_sum(x: Float[Array, "seq ..."], comm=None) -> Float[Array, 
     Args:
         x (Array): this rank's term, `(seq, ...)`, `seq` divisible by the
             communicator's size; the same shape and dtype on every rank.
-        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None: vjpmpi's
-            private duplicate of COMM_WORLD).
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+            (None: vjpmpi's private duplicate of COMM_WORLD; a `vjpmpi.device_comm` inside a
+            `jax.shard_map` body: its devices are the ranks).
 
     Returns:
         Block `rank` of the sum over the ranks, `(seq // size, ...)`.
 
     Raises:
         ValueError: `seq` (`x.shape[0]`) is not divisible by the communicator's size.
-        TypeError: `comm` is not an mpi4py intracommunicator or None.
+        TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
+            or None.
 
     Shape:
         `(seq, ...)` -> `(seq // size, ...)` on each rank.
@@ -98,15 +102,17 @@ def replicated(module, comm=None):
 
     Args:
         module (PyTree): a pytree (an `eqx.Module`), the same on every rank.
-        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None: vjpmpi's
-            private duplicate of COMM_WORLD).
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+            (None: vjpmpi's private duplicate of COMM_WORLD; a `vjpmpi.device_comm` inside a
+            `jax.shard_map` body: its devices are the ranks).
 
     Returns:
         (PyTree): `module` with the same values, each inexact-array leaf marked by
             `use_replicated` (other leaves unchanged).
 
     Raises:
-        TypeError: `comm` is not an mpi4py intracommunicator or None.
+        TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
+            or None.
 
     Shape:
         the module, unchanged (the identity forward).

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _jax_compat as jc
 from .._mpi import CommRef, as_comm
 from .._movement import allgather
 from .._sync import agree_on
@@ -16,15 +17,54 @@ def comm_ref(comm, layer: str) -> CommRef:
     return as_comm(comm, f"nn.{layer}")
 
 
-def block(n: int, ref: CommRef, layer: str, what: str) -> tuple[int, int]:
-    """[start, stop) of this rank's block of `n` features; n must divide evenly."""
+def block_length(n: int, ref: CommRef, layer: str, what: str) -> int:
+    """The length of each rank's block of `n` features (static); n must divide evenly."""
     if n % ref.size:
         raise ValueError(
             f"vjpmpi.nn.{layer}: {what}={n} is not divisible by the communicator size "
             f"{ref.size}; choose a size that divides it"
         )
-    k = n // ref.size
+    return n // ref.size
+
+
+def block(n: int, ref: CommRef, layer: str, what: str) -> tuple:
+    """[start, stop) of this rank's block of `n` features; n must divide evenly. Ints on a
+    process communicator; traced int32 scalars on a device communicator (whose rank is
+    each device's own, traced in the shard_map body)."""
+    k = block_length(n, ref, layer, what)
     return ref.rank * k, (ref.rank + 1) * k
+
+
+def take(a, start, length: int, axis: int = 0):
+    """`a[start:start + length]` along `axis`: a plain slice where `start` is an int (a
+    process communicator's rank), a `dynamic_slice` where it is traced (a device's)."""
+    if isinstance(start, int):
+        return a[(slice(None),) * axis + (slice(start, start + length),)]
+    return jax.lax.dynamic_slice_in_dim(a, start, length, axis)
+
+
+def take_block(a, ref: CommRef, layer: str, what: str, axis: int = 0):
+    """This rank's block of `a` along `axis` (`a.shape[axis]` features split over `ref`)."""
+    start, _ = block(a.shape[axis], ref, layer, what)
+    return take(a, start, a.shape[axis] // ref.size, axis)
+
+
+def own(tree, ref: CommRef):
+    """`tree` with every inexact array cast to vary over a device communicator's mesh axis
+    (under the shard_map's check_vma): each device holds its own copy of a layer's whole
+    (replicated) parameters, as each process does, so that their gradients are each
+    device's own, not JAX's implicit sum over the axis. The identity on a process
+    communicator (and without check_vma)."""
+    axis = getattr(ref, "axis", None)
+    if axis is None or not jc.check_vma():
+        return tree
+
+    def cast(a):
+        if eqx.is_inexact_array(a) and axis not in jc.vma_of(jax.typeof(a)):
+            return jc.pvary(a, (axis,))
+        return a
+
+    return jax.tree_util.tree_map(cast, tree)
 
 
 def gather_blocks(x, ref: CommRef, axis: int):

@@ -296,3 +296,89 @@ def test_gather_and_scatter_shapes_on_devices():
 
     got = run(body, jnp.arange(D * 1.0))
     assert got.shape == (D, N, 1)
+
+
+# ------------------------------------------------- variable-size exchanges --
+def _ragged(v):
+    """Rank r sends (r + j) % 3 rows of value 100 r + j to each rank j, into block r of j's
+    output (JAX's ragged_all_to_all: offsets named by the sender)."""
+    c = comm()
+    r = c.rank
+    j = jnp.arange(N)
+    sizes = ((j + r) % 3).astype(jnp.int32)
+    operand = (100.0 * r + jnp.repeat(j, 3)).reshape(3 * N, 1) + v[0]
+    out = jnp.full((3 * N, 1), -1.0)
+    return vjpmpi.ragged_alltoall(operand, out, (3 * j).astype(jnp.int32), sizes,
+                                  jnp.full(N, 3 * r, jnp.int32), ((j + r) % 3).astype(jnp.int32),
+                                  comm=c)
+
+
+def test_variable_size_exchanges_between_devices():
+    got = mine(run(lambda v: _ragged(v)[None], jnp.zeros(D)))[..., 0]
+    want = -np.ones((N, 3 * N))
+    for r in range(N):
+        for s in range(N):
+            want[r, 3 * s:3 * s + (r + s) % 3] = 100 * s + r
+    np.testing.assert_allclose(got, want[MINE])
+
+    def vs(v):
+        c = comm()
+        r = c.rank
+        x = (10.0 * r + jnp.arange(4.0))[:, None]
+        k = (r % 2 + 1).astype(jnp.int32)
+        ag, _ = vjpmpi.allgatherv(x, k, capacity=2 * N, comm=c)
+        g, counts = vjpmpi.gatherv(x, k, root=N - 1, capacity=2 * N, comm=c)
+        sv, got = vjpmpi.scatterv(jnp.arange(2.0 * N)[:, None], jnp.full(N, 2, jnp.int32),
+                                  root=0, capacity=2, comm=c)
+        av, _ = vjpmpi.alltoallv(x, jnp.ones(N, jnp.int32), capacity=N, comm=c)
+        return jnp.concatenate([ag[:, 0], g[:, 0], counts.astype(x.dtype), sv[:, 0],
+                                got[None].astype(x.dtype), av[:, 0]])[None]
+
+    got = mine(run(vs, jnp.zeros(D)))
+    rows = np.concatenate([10.0 * r + np.arange(r % 2 + 1) for r in range(N)])
+    packed = np.concatenate([rows, np.zeros(2 * N - len(rows))])
+    for a in range(D):
+        r = PROC * D + a
+        row = got[a]
+        np.testing.assert_allclose(row[:2 * N], packed)
+        np.testing.assert_allclose(row[2 * N:4 * N], packed if r == N - 1 else 0 * packed)
+        np.testing.assert_allclose(row[4 * N:5 * N], [(s % 2 + 1) * (r == N - 1) for s in range(N)])
+        np.testing.assert_allclose(row[5 * N:5 * N + 3], [2 * r, 2 * r + 1, 2])
+        np.testing.assert_allclose(row[5 * N + 3:], [10.0 * s + r for s in range(N)])
+
+
+def test_dot_product_of_the_ragged_transpose():
+    f = jax.shard_map(lambda v: _ragged(v)[None], mesh=MESH, in_specs=P("d"), out_specs=P("d"))
+    xs = jnp.asarray(np.random.default_rng(PROC).standard_normal(D))
+    ws = jnp.asarray(np.random.default_rng(50 + PROC).standard_normal((D, 3 * N, 1)))
+    y0 = jax.jit(f)(jnp.zeros(D))
+    lin = lambda v: jax.jit(f)(v) - y0  # noqa: E731 (linear in v: each slice row + v)
+    (ct,) = jax.jit(lambda w: jax.linear_transpose(f, xs)(w))(ws)
+    lhs, rhs = gdot_devices(lin(xs), ws), gdot_devices(xs, ct)
+    assert abs(lhs - rhs) <= 1e-10 * max(1.0, abs(lhs)), (lhs, rhs)
+
+
+# ------------------------------------------------------------- started calls --
+def test_started_calls_between_devices():
+    """start/wait of a sendrecv ring and of a send/recv pair split in halves; the
+    transpose of the whole by the dot-product test (the templates from `v`, as the
+    receives of a linear map: a constant template's receive would run in the forward
+    pass that linear_transpose keeps, its send in the transposed one)."""
+    def body(v):
+        c = comm()
+        r = c.rank
+        p = vjpmpi.start(vjpmpi.sendrecv, v, v * 0, (r - 1) % c.size, (r + 1) % c.size, comm=c)
+        s = vjpmpi.start(vjpmpi.send, v * 10, (r + 1) % c.size, tag=5, comm=c)
+        q = vjpmpi.start(vjpmpi.recv, v * 0, (r - 1) % c.size, tag=5, comm=c)
+        y = vjpmpi.wait(p) + vjpmpi.wait(q)
+        vjpmpi.wait(s)
+        return y
+
+    f = jax.shard_map(body, mesh=MESH, in_specs=P("d"), out_specs=P("d"))
+    xs = local(X).reshape(-1)
+    got = np.asarray(jax.jit(f)(xs)).reshape(D, -1)
+    np.testing.assert_allclose(got, 11 * np.roll(X, 1, 0).reshape(N, -1)[MINE])
+    ws = jnp.asarray(np.random.default_rng(8 + PROC).standard_normal(xs.shape))
+    (ct,) = jax.jit(lambda w: jax.linear_transpose(f, xs)(w))(ws)
+    lhs, rhs = gdot_devices(jax.jit(f)(xs), ws), gdot_devices(xs, ct)
+    assert abs(lhs - rhs) <= 1e-10 * max(1.0, abs(lhs)), (lhs, rhs)
