@@ -66,20 +66,20 @@ class DeviceComm:
 
     Inside a `jax.shard_map` body over a mesh with axis `axis_name` (`D` devices along it
     in each process), its ranks are those devices in every process of the process
-    communicator `comm`: `comm.Get_size() * D` of them, a device's rank
-    `comm.Get_rank() * D + jax.lax.axis_index(axis_name)`.
+    communicator `comm`: `size` (`comm.Get_size() * D`) of them, a device's `rank`
+    `comm.Get_rank() * D + jax.lax.axis_index(axis_name)`, an int32 scalar traced in the
+    shard_map body (each device's own).
 
     Attributes:
         axis_name (str): the mesh axis whose devices are the ranks.
-        comm (MPI.Intracomm): the process communicator.
-        local_size (int): the devices per process, `D`.
-        size (int): the number of ranks, `comm.Get_size() * D`.
-        rank (jax.Array): this device's rank, an int32 scalar traced in the shard_map
-            body (each device's own).
+        comm (MPI.Intracomm | None): the process communicator (None: vjpmpi's default).
+        local_size (int): the devices per process along the axis, `D`.
     """
 
-    def __init__(self, ref):
-        self._device_ref = ref
+    def __init__(self, axis_name: str, comm, local_size: int):
+        from ._mpi import DeviceCommRef, as_comm
+
+        self._device_ref = DeviceCommRef(as_comm(comm, "device_comm"), axis_name, local_size)
 
     @property
     def axis_name(self) -> str:
@@ -102,11 +102,19 @@ class DeviceComm:
         return self._device_ref.rank
 
     def Get_size(self) -> int:  # noqa: N802 (mpi4py's name)
-        """The number of ranks (`size`), as mpi4py's communicators name it."""
+        """The number of ranks, as mpi4py's communicators name it.
+
+        Returns:
+            (int): `size`, the devices along the axis in every process.
+        """
         return self.size
 
     def Get_rank(self):  # noqa: N802 (mpi4py's name)
-        """This device's rank (`rank`, traced), as mpi4py's communicators name it."""
+        """This device's rank, as mpi4py's communicators name it.
+
+        Returns:
+            (jax.Array): `rank`, an int32 scalar traced in the shard_map body.
+        """
         return self.rank
 
     def __repr__(self) -> str:
@@ -165,8 +173,6 @@ def device_comm(axis_name: str, comm: MPI.Intracomm | None = None) -> DeviceComm
         assert (y == size * (size - 1) / 2).all()  # the sum of every device's rank
         ```
     """
-    from ._mpi import DeviceCommRef, as_comm
-
     if not isinstance(axis_name, str):
         raise TypeError(f"vjpmpi.device_comm: argument 'axis_name' must be a mesh axis name "
                         f"(a str), got {type(axis_name).__name__}")
@@ -176,9 +182,9 @@ def device_comm(axis_name: str, comm: MPI.Intracomm | None = None) -> DeviceComm
             f"vjpmpi.device_comm: no mesh axis '{axis_name}' of a jax.shard_map here (its "
             "ranks are a shard_map's devices: call it inside the shard_map body, with an "
             "axis of its mesh)")
-    ref = DeviceCommRef(as_comm(comm, "device_comm"), axis_name, local)
-    EXTENDED_AXES[axis_name] = ref.base.size
-    return DeviceComm(ref)
+    made = DeviceComm(axis_name, comm, local)
+    EXTENDED_AXES[axis_name] = made._device_ref.base.size
+    return made
 
 
 # Mesh axes that device communicators (and vjpmpi.lax) extend across processes, and over

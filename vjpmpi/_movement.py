@@ -42,9 +42,9 @@ def bcast(x, root, *, comm=None):
     Args:
         x (ArrayLike): on `root`, the array to send; elsewhere a template of the same
             shape and dtype (its values are not used).
-        root (int): the rank that sends.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        root (int | jax.Array): the rank that sends.
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (jax.Array): `root`'s `x`, on every rank.
@@ -97,8 +97,8 @@ def allgather(x, *, comm=None):
 
     Args:
         x (ArrayLike): this rank's block, any shape (the same on every rank).
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (jax.Array): Every rank's `x` stacked on a new leading axis, in rank order (row `i`
@@ -165,13 +165,14 @@ def gather(x, root, *, comm=None):
 
     Args:
         x (ArrayLike): this rank's block, any shape (the same on every rank).
-        root (int): the rank that receives.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        root (int | jax.Array): the rank that receives.
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (jax.Array): On `root`, every rank's `x` stacked on a new leading axis in rank
-            order; elsewhere `x` itself. `x`'s dtype.
+            order; elsewhere `x` itself (on a device communicator, zeros of the stacked
+            shape: every device has one shape). `x`'s dtype.
 
     Raises:
         TypeError: when `x` is not an array (or convertible to one) of a dtype MPI can
@@ -185,7 +186,8 @@ def gather(x, root, *, comm=None):
             the collective (dtype, shape, root, or its place in their sequence).
 
     Shape:
-        `s` -> `(size, *s)` on `root`, `s` elsewhere.
+        `s` -> `(size, *s)` on `root`, `s` elsewhere (a device communicator: `(size, *s)`
+        on every device).
 
     Transpose:
         scatter from `root` (plus the identity on non-root ranks).
@@ -218,10 +220,12 @@ def scatter(x, root, *, comm=None) -> jax.Array:
 
     Args:
         x (ArrayLike): on `root`, the blocks stacked on a leading axis of the
-            communicator's size; elsewhere a template of one block's shape and dtype.
-        root (int): the rank that sends.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+            communicator's size; elsewhere a template of one block's shape and dtype (on a
+            device communicator every device passes the stacked shape; only the root's
+            values are sent).
+        root (int | jax.Array): the rank that sends.
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (jax.Array): This rank's block of `root`'s `x`, with the template's shape and dtype.
@@ -240,7 +244,8 @@ def scatter(x, root, *, comm=None) -> jax.Array:
             the collective (dtype, shape, root, or its place in their sequence).
 
     Shape:
-        On `root` `(size, *s)` -> `s`; elsewhere `x` is an `s`-shaped template -> `s`.
+        On `root` `(size, *s)` -> `s`; elsewhere `x` is an `s`-shaped template -> `s` (a
+        device communicator: `(size, *s)` -> `s` on every device).
 
     Transpose:
         gather onto `root` (the other ranks' templates get a zero cotangent).
@@ -273,8 +278,8 @@ def alltoall(x, *, comm=None):
     Args:
         x (ArrayLike): the blocks for each rank stacked on a leading axis whose length is
             the communicator's size.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (jax.Array): The blocks received, stacked in source-rank order: row `i` is rank

@@ -91,10 +91,10 @@ def send(x, dest, *, tag=0, comm=None):
 
     Args:
         x (ArrayLike): the array to send, any shape, a dtype MPI can carry.
-        dest (int): the receiving rank of `comm`, or `MPI.PROC_NULL` (no message).
+        dest (int | jax.Array): the receiving rank of `comm`, or `MPI.PROC_NULL` (no message).
         tag (int): the message tag, `0..MPI.TAG_UB`.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (None): nothing.
@@ -152,11 +152,11 @@ def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None):
     Args:
         x (ArrayLike): a template of the shape and dtype to receive (its values are not
             sent; with `source=MPI.PROC_NULL` they are the result).
-        source (int): the sending rank of `comm`, `MPI.ANY_SOURCE` (the default) or
+        source (int | jax.Array): the sending rank of `comm`, `MPI.ANY_SOURCE` (the default) or
             `MPI.PROC_NULL` (no message).
         tag (int): the tag to match, `0..MPI.TAG_UB`, or `MPI.ANY_TAG` (the default).
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
         status (MPI.Status | None): if given, filled on completion (source, tag, count).
 
     Returns:
@@ -240,12 +240,12 @@ def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, 
         recvbuf (ArrayLike): a template of the shape and dtype to receive, the same dtype
             as `sendbuf` (its values are not sent; with `source=MPI.PROC_NULL` they are the
             result).
-        source (int): the rank to receive from, `MPI.ANY_SOURCE` or `MPI.PROC_NULL`.
-        dest (int): the rank to send to, or `MPI.PROC_NULL`.
+        source (int | jax.Array): the rank to receive from, `MPI.ANY_SOURCE` or `MPI.PROC_NULL`.
+        dest (int | jax.Array): the rank to send to, or `MPI.PROC_NULL`.
         sendtag (int): the tag of the message sent, `0..MPI.TAG_UB`.
         recvtag (int): the tag to match, `0..MPI.TAG_UB`, or `MPI.ANY_TAG` (the default).
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
         status (MPI.Status | None): if given, filled on completion of the receive.
 
     Returns:

@@ -59,7 +59,7 @@ class Placement:
         agree on it with the layout)."""
         layout = _hash(f"{self.layout}/{split}") if split else self.layout
         return np.array([self.parts, self.local, self.stride, layout, level,
-                         int(self.group)], np.int64)
+                         int(self.group), len(jax.local_devices())], np.int64)
 
 
 def _hash(text: str) -> int:
@@ -102,6 +102,12 @@ def placement(ctx, op: str, comm) -> Placement | None | str:
             "device's own call, in a shard_map over all of the mesh's axes.")
     _multiple_threads(op)
     sizes = tuple(int(mesh.shape[a]) for a in names)
+    if math.prod(sizes) > len(jax.local_devices()):
+        raise NotImplementedError(
+            f"vjpmpi.{op}: called in a jax.shard_map over {math.prod(sizes)} devices, more "
+            f"than this process's {len(jax.local_devices())}: a mesh of a multi-process "
+            "jax.distributed run. vjpmpi's ranks are MPI processes, each with its own "
+            "devices: shard_map over a mesh of jax.local_devices().")
     if device:
         if comm.axis not in names:
             raise ValueError(

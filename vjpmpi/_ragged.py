@@ -209,8 +209,8 @@ def ragged_alltoall(operand, output, input_offsets, send_sizes, output_offsets, 
         output_offsets (ArrayLike): int, shape `(n,)`, where each sent slice lands on its
             receiver.
         recv_sizes (ArrayLike): int, shape `(n,)`, the rows of each slice received.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (jax.Array): `output` with the received slices written in (its shape and dtype).
@@ -267,8 +267,8 @@ def alltoallv(x, send_counts, *, capacity: int, comm=None) -> tuple[jax.Array, j
         x (ArrayLike): shape `(rows, *row)`: the block for rank 0, then rank 1's, ...
         send_counts (ArrayLike): int, shape `(size,)`, the rows for each rank.
         capacity (int): the rows of the result.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (tuple[jax.Array, jax.Array]): `(y, recv_counts)`: `y` of shape `(capacity, *row)`
@@ -313,8 +313,8 @@ def allgatherv(x, count, *, capacity: int, comm=None) -> tuple[jax.Array, jax.Ar
         x (ArrayLike): shape `(rows, *row)`.
         count (ArrayLike): int scalar, the rows this rank contributes.
         capacity (int): the rows of the result.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (tuple[jax.Array, jax.Array]): `(y, counts)`: `y` of shape `(capacity, *row)` and
@@ -356,16 +356,17 @@ def gatherv(x, count, *, root: int, capacity: int, comm=None) -> tuple[jax.Array
     Args:
         x (ArrayLike): shape `(rows, *row)`.
         count (ArrayLike): int scalar, the rows this rank contributes.
-        root (int): the rank that receives.
+        root (int | jax.Array): the rank that receives.
         capacity (int): the rows of the root's result (read on `root` only).
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (tuple[jax.Array, jax.Array]): On `root`, `(y, counts)`: `y` of shape `(capacity,
             *row)` and `x`'s dtype (the contributions back to back, zeros after),
             `counts[i]` rank `i`'s count (int32). Elsewhere `(x, zeros)`: `x` unchanged (as
-            `gather` gives it) and no rows received.
+            `gather` gives it) and no rows received (on a device communicator, zeros of
+            the root's shape: every device has one shape).
 
     Raises:
         TypeError: when an array argument is not an array (or convertible to one) of a dtype
@@ -419,10 +420,10 @@ def scatterv(x, counts, *, root: int, capacity: int, comm=None) -> tuple[jax.Arr
             back to back; elsewhere a template of the row shape and dtype (any rows).
         counts (ArrayLike): int, shape `(size,)`, the rows for each rank (the root's
             are used; other ranks may pass anything of that shape).
-        root (int): the rank that sends.
+        root (int | jax.Array): the rank that sends.
         capacity (int): the rows of the result.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (tuple[jax.Array, jax.Array]): `(y, count)`: `y` of shape `(capacity, *row)` and

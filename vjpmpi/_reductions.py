@@ -118,8 +118,8 @@ def allreduce(x, op, *, comm=None):
             complex dtype for which `op` is defined.
         op (MPI.Op | str): the reduction: `MPI.SUM`, `PROD`, `MAX`, `MIN`, `LAND`, `LOR`,
             `LXOR`, `BAND`, `BOR`, `BXOR`, or its name (`"sum"`, any case).
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (jax.Array): The reduction of every rank's `x`, with `x`'s shape and dtype, on every
@@ -182,9 +182,9 @@ def reduce(x, op, root, *, comm=None):
             complex dtype for which `op` is defined.
         op (MPI.Op | str): the reduction: `MPI.SUM`, `PROD`, `MAX`, `MIN`, `LAND`, `LOR`,
             `LXOR`, `BAND`, `BOR`, `BXOR`, or its name (`"sum"`, any case).
-        root (int): the rank that receives the reduction.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        root (int | jax.Array): the rank that receives the reduction.
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (jax.Array): On `root`, the reduction of every rank's `x`; elsewhere `x` itself.
@@ -229,8 +229,8 @@ def reduce_scatter(x, op, *, comm=None):
             the communicator's size; a dtype for which `op` is defined.
         op (MPI.Op | str): the reduction: `MPI.SUM`, `PROD`, `MAX`, `MIN`, `LAND`, `LOR`,
             `LXOR`, `BAND`, `BOR`, `BXOR`, or its name (`"sum"`, any case).
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (jax.Array): This rank's block of the reduction: `x[r]` reduced over the ranks, of
@@ -315,8 +315,8 @@ def scan(x, op, *, comm=None):
             defined.
         op (MPI.Op | str): the reduction: `MPI.SUM`, `PROD`, `MAX`, `MIN`, `LAND`, `LOR`,
             `LXOR`, `BAND`, `BOR`, `BXOR`, or its name (`"sum"`, any case).
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (jax.Array): On rank `r`, the reduction of the `x` of ranks `0..r`, with `x`'s shape
@@ -369,8 +369,8 @@ def exscan(x, op, *, comm=None):
             defined.
         op (MPI.Op | str): the reduction: `MPI.SUM`, `PROD`, `MAX`, `MIN`, `LAND`, `LOR`,
             `LXOR`, `BAND`, `BOR`, `BXOR`, or its name (`"sum"`, any case).
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (jax.Array): On rank `r > 0`, the reduction of the `x` of ranks `0..r-1`; on rank 0,

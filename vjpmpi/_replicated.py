@@ -33,8 +33,8 @@ def sum_replicated(x, *, comm=None):
     Args:
         x (ArrayLike): this rank's contribution, any shape; a dtype with a sum (integer,
             float or complex; not bool).
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (jax.Array): The sum of every rank's `x`, with `x`'s shape and dtype, on every rank.
@@ -90,8 +90,8 @@ def use_replicated(x, *, comm=None):
 
     Args:
         x (ArrayLike): the replicated value, any shape; the same on every rank.
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (jax.Array): `x` itself (same shape and dtype).

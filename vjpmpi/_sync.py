@@ -27,8 +27,8 @@ def barrier(*, comm=None):
     MPI_Barrier. It carries no data, so it has nothing to differentiate.
 
     Args:
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (None): nothing.
@@ -96,8 +96,8 @@ def fence(tree, *, comm=None):
     Args:
         tree (Any): a pytree of arrays (or values convertible to arrays, of dtypes MPI can
             carry).
-        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
-            COMM_WORLD).
+        comm (MPI.Intracomm | DeviceComm | None): the communicator (None: vjpmpi's private
+            duplicate of COMM_WORLD; a `vjpmpi.device_comm`: the devices of a shard_map).
 
     Returns:
         (Any): The same tree, each leaf the array it held (same shape and dtype).

@@ -320,6 +320,8 @@ std::string AwaitOpening(Runtime& rt, CommEntry& e, const Call& c) {
     };
     if (now >= next_look) {
       next_look = now + every;
+      std::string failed = RunFailure(rt, c.run);  // (a device call whose run failed)
+      if (!failed.empty()) return std::string("vjpmpi.") + c.op + ": " + failed;
       for (int q = 0; q < e.size; ++q) {
         Header h{};
         if (q == e.rank || !ReadPresence(rt, e, q, &h)) continue;
@@ -555,6 +557,9 @@ std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine,
     if (waiting == 0) break;
     const int64_t now = NowNs();
     const double waited = (now - start) * 1e-9;
+    if (now >= next_look && !RunFailure(rt, c.run).empty()) {  // (its run failed elsewhere)
+      return std::string("vjpmpi.") + c.op + ": " + RunFailure(rt, c.run);
+    }
     if (!late && now >= next_look) {  // a rank that refused this collective at trace time
       next_look = now + 100000000;
       for (int q = 0; q < n && !*refused; ++q) {

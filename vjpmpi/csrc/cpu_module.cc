@@ -42,7 +42,9 @@ struct CpuBackend {
   static constexpr bool kAsync = true;  // large calls run on a communicator thread
   using Ctx = NoContext;
   using Mem = HostMem;
+  using DevMem = HostMem;  // (device calls: devices.h)
   static Mem MakeMem(NoContext) { return {}; }
+  static DevMem MakeDevMem(NoContext) { return {}; }
 };
 
 // vjpmpi's Python interface to the runtime (vjpmpi/_kernels.py, _mpi.py, the tests).

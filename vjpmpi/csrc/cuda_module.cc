@@ -85,9 +85,15 @@ struct Pinned {
 std::mutex pinned_mutex;
 std::vector<Pinned> pinned(3);
 
-struct CudaMem {
+// The memory policy of one call. `Shared` (the one-device calls): the module's pinned
+// buffers, held by the call until it ends (calls run one at a time). Else (device calls,
+// devices.h: every device of a program calls at once, and a group's calls wait for each
+// other): each device thread's own pinned buffers, and always host-staged (a group's
+// first device reads the others' buffers on the host).
+template <bool Shared>
+struct CudaMemT {
   cudaStream_t stream;
-  bool aware = cuda_mode.load() == 1;
+  bool aware = Shared && cuda_mode.load() == 1;
   struct Slot {
     const void* dev;
     void* host;
@@ -98,7 +104,16 @@ struct CudaMem {
   std::string error;
   std::unique_lock<std::mutex> lock{pinned_mutex, std::defer_lock};
 
-  explicit CudaMem(cudaStream_t s) : stream(s) {}
+  explicit CudaMemT(cudaStream_t s) : stream(s) {}
+
+  static std::vector<Pinned>& Pool() {
+    if constexpr (Shared) {
+      return pinned;
+    } else {
+      static thread_local std::vector<Pinned> own(3);
+      return own;
+    }
+  }
 
   void Prepare(Call& c) {
     if (!cuda_mode_error.empty()) error = cuda_mode_error;
@@ -118,10 +133,11 @@ struct CudaMem {
         return s.host;
       }
     }
-    if (!lock.owns_lock()) lock.lock();
+    if (Shared && !lock.owns_lock()) lock.lock();
+    std::vector<Pinned>& pool = Pool();
     size_t i = slots.size();
-    if (i >= pinned.size()) pinned.resize(i + 1);
-    Pinned& p = pinned[i];
+    if (i >= pool.size()) pool.resize(i + 1);
+    Pinned& p = pool[i];
     if (p.bytes < bytes) {
       if (p.ptr) cudaFreeHost(p.ptr);
       p.ptr = nullptr;
@@ -179,11 +195,16 @@ struct CudaMem {
   }
 };
 
+using CudaMem = CudaMemT<true>;
+using CudaDevMem = CudaMemT<false>;
+
 struct CudaBackend {
   static constexpr bool kAsync = false;  // a handler returns when its MPI call has
   using Ctx = ffi::PlatformStream<cudaStream_t>;
   using Mem = CudaMem;
+  using DevMem = CudaDevMem;  // (device calls: devices.h)
   static Mem MakeMem(cudaStream_t stream) { return CudaMem(stream); }
+  static DevMem MakeDevMem(cudaStream_t stream) { return CudaDevMem(stream); }
 };
 
 }  // namespace

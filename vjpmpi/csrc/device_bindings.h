@@ -1,7 +1,7 @@
 // The XLA FFI bindings of device calls (device_ops.h, device_p2p.h: a program compiled
 // for several devices of this process), for a backend B: each one-device binding
 // (bindings.h) with `where` (int32[4]: the device's partition, then the call's root,
-// destination and source) first and the `dev` attribute (int64[6]) among the attributes,
+// destination and source) first and the `dev` attribute (int64[7]) among the attributes,
 // in the order of their names.
 #pragma once
 
@@ -26,7 +26,7 @@ template <typename B, const UnaryOp& Op>
 Res<B> DevUnaryImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer x,
                     ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
                     VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS) {
-  return DevUnary<B::kAsync, Op.fn, Op.group, Op.count, Op.uses>(B::MakeMem(ctx), Op.name, where,
+  return DevUnary<B::kAsync, Op.fn, Op.group, Op.count, Op.uses>(B::MakeDevMem(ctx), Op.name, where,
                                                                  x, y, VJPMPI_ATTRS_OF, dev);
 }
 template <typename B>
@@ -40,7 +40,7 @@ auto DevUnaryBinding() {  // (where, x, token) -> (y, token)
 template <typename B>
 Res<B> DevSendImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer x,
                    ffi::Token, ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS) {
-  return DevP2PH<B::kAsync>(B::MakeMem(ctx), "send", where, &x, nullptr, nullptr,
+  return DevP2PH<B::kAsync>(B::MakeDevMem(ctx), "send", where, &x, nullptr, nullptr,
                             VJPMPI_ATTRS_OF, dev);
 }
 template <typename B>
@@ -52,7 +52,7 @@ template <typename B>
 Res<B> DevRecvImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer t,
                    ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
                    VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS) {
-  return DevP2PH<B::kAsync>(B::MakeMem(ctx), "recv", where, nullptr, &t, y->untyped_data(),
+  return DevP2PH<B::kAsync>(B::MakeDevMem(ctx), "recv", where, nullptr, &t, y->untyped_data(),
                             VJPMPI_ATTRS_OF, dev);
 }
 template <typename B>
@@ -60,7 +60,7 @@ Res<B> DevSendrecvImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where
                        ffi::AnyBuffer x, ffi::AnyBuffer t, ffi::Token,
                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS,
                        VJPMPI_DEV_PARAMS) {
-  return DevP2PH<B::kAsync>(B::MakeMem(ctx), "sendrecv", where, &x, &t, y->untyped_data(),
+  return DevP2PH<B::kAsync>(B::MakeDevMem(ctx), "sendrecv", where, &x, &t, y->untyped_data(),
                             VJPMPI_ATTRS_OF, dev);
 }
 template <typename B>
@@ -68,7 +68,7 @@ Res<B> DevRecurrenceImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> whe
                          ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Token,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
                          VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS) {
-  return DevRecurrenceH<B::kAsync>(B::MakeMem(ctx), where, a, b, y, VJPMPI_ATTRS_OF, dev);
+  return DevRecurrenceH<B::kAsync>(B::MakeDevMem(ctx), where, a, b, y, VJPMPI_ATTRS_OF, dev);
 }
 template <typename B>
 auto DevBinaryBinding() {  // (where, a, b, token) -> (y, token)
@@ -82,7 +82,7 @@ auto DevBinaryBinding() {  // (where, a, b, token) -> (y, token)
 template <typename B>
 Res<B> DevBarrierImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::Token,
                       ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS, VJPMPI_DEV_PARAMS) {
-  return DevBarrierH<B::kAsync>(B::MakeMem(ctx), where, VJPMPI_ATTRS_OF, dev);
+  return DevBarrierH<B::kAsync>(B::MakeDevMem(ctx), where, VJPMPI_ATTRS_OF, dev);
 }
 template <typename B>
 Res<B> DevRaggedImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer a0,
@@ -90,7 +90,7 @@ Res<B> DevRaggedImpl(CtxOf<B> ctx, ffi::RunId run, ffi::Buffer<ffi::S32> where, 
                      ffi::AnyBuffer rs, ffi::Token, ffi::Result<ffi::AnyBuffer> r0,
                      ffi::Result<ffi::AnyBuffer> r1, ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS,
                      VJPMPI_DEV_PARAMS, int64_t form, int64_t groups) {
-  return DevRaggedH<B::kAsync>(B::MakeMem(ctx), where, a0, a1, io, ss, oo, rs, r0, r1,
+  return DevRaggedH<B::kAsync>(B::MakeDevMem(ctx), where, a0, a1, io, ss, oo, rs, r0, r1,
                                VJPMPI_ATTRS_OF, form, groups, dev);
 }
 template <typename B>

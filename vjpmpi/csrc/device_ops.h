@@ -2,16 +2,16 @@
 // process), generic over the backend's memory policy. Each takes one more operand than
 // its one-device handler, `where` (int32[4]: the device's partition, then the call's root,
 // destination and source, ranks of the call's group), and one more attribute, `dev`
-// (int64[6]: the program's devices N, the group's devices per process D, the group axis's
+// (int64[7]: the program's devices N, the group's devices per process D, the group axis's
 // stride in the partition order, a hash of the layout, the duplicates it needs: 1, or 2
 // where point-to-point calls cross processes between devices of a group; 1 for a device
-// communicator's call, 0 for a process communicator's).
+// communicator's call, 0 for a process communicator's; the process's devices, N or more).
 //  - a process communicator (each device its own group: a sharded array's shard, or a
 //    process communicator inside shard_map): the one-device handler, on the device's
 //    duplicate of the communicator.
-//  - a device communicator: the group's devices meet (Meet); its first device runs the process's part on
-//    its duplicate (devices.cc), inside `Run` (the ranks' agreement, the watchdog, the
-//    busy flag), the others wait. A point-to-point call goes through memory to a device
+//  - a device communicator: the group's devices meet (Meet); its first device runs the
+//    process's part on its duplicate (devices.cc), inside `Run` (the ranks' agreement, the
+//    watchdog, the busy flag), the others wait. A point-to-point call goes through memory to a device
 //    of this process, through MPI (the pair's duplicate) to one of another process.
 #pragma once
 
@@ -20,6 +20,7 @@
 #include <deque>
 #include <memory>
 #include <string>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -75,34 +76,46 @@ std::string StartDevice(const char* op, ffi::Buffer<ffi::S32> where, const Attrs
   s->attrs.peer = w[2];
   s->attrs.peer2 = w[3];
   s->attrs.layout = s->place.layout;
-  s->set = &Devices(runtime, a.comm, s->place.parts);
+  s->set = &Devices(runtime, a.comm, s->place.devices);
   const int level = dev.size() > 4 ? static_cast<int>(dev[4]) : 1;
   return Ensure(*s->set, level, [&](int l) {
     // (collective over the communicator, its ranks agreeing first: a process whose program
     // has another layout, or that calls something else there, fails with the others)
     Call c = MakeCall("device_comm", a, 0);
     c.kind = Kind::kI64;
-    int64_t shape[2] = {s->place.parts, l};
+    int64_t shape[2] = {s->place.devices, l};
     c.dims = shape;
     c.ndim = 2;
     c.count = c.count2 = 0;
     Attrs sa = a;
     sa.site = RegisterSite(runtime, "vjpmpi's duplicates of a communicator for " +
-                                        std::to_string(s->place.parts) + " devices per process" +
+                                        std::to_string(s->place.devices) + " devices per process" +
                                         (l == 2 ? " (point to point)" : ""));
     sa.sig = 0;
     sa.invalid = 0;
     StagedMem m;
     std::vector<int64_t> ids;
     ffi::Error r = Run<false>(m, c, sa, true, 0, Ok, [&](StagedMem&, const Call& cc) {
-      int count = l == 1 ? s->place.parts : s->place.parts * s->place.parts;
+      int count = l == 1 ? s->place.devices : s->place.devices * s->place.devices;
       return DuplicateComms(runtime, cc.comm, count, l == 1 ? "vjpmpi.device" : "vjpmpi.pair",
                             &ids);
     });
     if (r.failure()) return r.message();
     (l == 1 ? s->set->dev : s->set->pair) = std::move(ids);
     return std::string();
-  });
+  }, a.run);
+}
+
+// A device call's result, where it failed here noted for its run (Fail: the run's other
+// devices stop waiting for it).
+template <bool Async>
+Result<Async> Noted(DeviceSet& set, int64_t run, Result<Async> r) {
+  if constexpr (Async) {
+    if (!r.future && !r.error.empty()) Fail(set, run, r.error);
+  } else {
+    if (r.failure()) Fail(set, run, r.message());
+  }
+  return r;
 }
 
 // A group's root (or peer) as this process names it, checked: an error text for a rank
@@ -140,7 +153,7 @@ Result<Async> DevUnary(Mem mem, const char* name, ffi::Buffer<ffi::S32> where, f
   if (s.place.Alone()) {  // each device its own group: the call on its duplicate
     Attrs one = s.attrs;
     one.comm = s.set->dev[static_cast<size_t>(s.place.pid)];
-    return Unary<Async, F, N, Uses>(mem, name, x, y, one);
+    return Noted<Async>(*s.set, a.run, Unary<Async, F, N, Uses>(std::move(mem), name, x, y, one));
   }
   const int size = s.procs * s.place.local;
   DeviceCall d;
@@ -191,7 +204,7 @@ Result<Async> DevRecurrenceH(Mem mem, ffi::Buffer<ffi::S32> where, ffi::AnyBuffe
   if (s.place.Alone()) {
     Attrs one = s.attrs;
     one.comm = s.set->dev[static_cast<size_t>(s.place.pid)];
-    return RecurrenceH<Async>(mem, a, b, y, one);
+    return Noted<Async>(*s.set, at.run, RecurrenceH<Async>(std::move(mem), a, b, y, one));
   }
   DeviceCall d;
   d.c = MakeCall("recurrence", s.attrs, 0);
@@ -234,7 +247,7 @@ Result<Async> DevBarrierH(Mem mem, ffi::Buffer<ffi::S32> where, const Attrs& at,
   if (s.place.Alone()) {
     Attrs one = s.attrs;
     one.comm = s.set->dev[static_cast<size_t>(s.place.pid)];
-    return BarrierH<Async>(mem, one);
+    return Noted<Async>(*s.set, at.run, BarrierH<Async>(std::move(mem), one));
   }
   DeviceCall d;
   d.c = MakeCall("barrier", s.attrs, kWaitsForAll);

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <deque>
 #include <string>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -20,7 +21,7 @@ namespace vjpmpi {
 // of another process (the set's level 2; MPI_COMM_NULL where it was not made: the
 // program's lowering asks for it wherever a device call sends point to point).
 inline MPI_Comm PairComm(const DeviceStart& s, int from, int to) {
-  size_t i = static_cast<size_t>(from) * static_cast<size_t>(s.place.parts) + to;
+  size_t i = static_cast<size_t>(from) * static_cast<size_t>(s.set->parts) + to;
   if (i >= s.set->pair.size()) return MPI_COMM_NULL;
   CommEntry* e = runtime.comms.Get(s.set->pair[i]);
   return e == nullptr ? MPI_COMM_NULL : e->comm.load();
@@ -156,9 +157,11 @@ Result<Async> DevP2PH(Mem mem, const char* name, ffi::Buffer<ffi::S32> where,
   if (s.place.Alone()) {
     Attrs one = s.attrs;
     one.comm = s.set->dev[static_cast<size_t>(s.place.pid)];
-    if (x != nullptr && tmpl != nullptr) return SendrecvH<Async>(mem, *x, *tmpl, yp, one);
-    if (x != nullptr) return SendH<Async>(mem, *x, one);
-    return RecvH<Async>(mem, *tmpl, yp, one);
+    if (x != nullptr && tmpl != nullptr) {
+      return Noted<Async>(*s.set, a.run, SendrecvH<Async>(std::move(mem), *x, *tmpl, yp, one));
+    }
+    if (x != nullptr) return Noted<Async>(*s.set, a.run, SendH<Async>(std::move(mem), *x, one));
+    return Noted<Async>(*s.set, a.run, RecvH<Async>(std::move(mem), *tmpl, yp, one));
   }
   Call c;
   e = MessageCall(name, s, x, tmpl, a, &c);
@@ -236,7 +239,7 @@ Outcome DevWaitH(ffi::Buffer<ffi::S32> where, void* y, size_t yb, int64_t comm, 
   Place pl;
   std::string e = MakePlace(comm, where.typed_data()[0], dev.begin(), dev.size(), &pl);
   if (!e.empty()) return Finish<true>(e);
-  DeviceSet& set = Devices(runtime, comm, pl.parts);
+  DeviceSet& set = Devices(runtime, comm, pl.devices);
   run = StartedRun(slot, run);
   if (pl.Alone()) {  // (the one-device wait, on the device's duplicate)
     if (set.dev.empty()) return Finish<true>("vjpmpi.wait: no started call (a vjpmpi bug)");
@@ -393,7 +396,8 @@ Result<Async> DevRaggedH(Mem mem, ffi::Buffer<ffi::S32> where, ffi::AnyBuffer a0
   if (s.place.Alone()) {
     Attrs one = s.attrs;
     one.comm = s.set->dev[static_cast<size_t>(s.place.pid)];
-    return RaggedH<Async>(mem, a0, a1, io, ss, oo, rs, r0, r1, one, form, groups);
+    return Noted<Async>(*s.set, at.run,
+                        RaggedH<Async>(std::move(mem), a0, a1, io, ss, oo, rs, r0, r1, one, form, groups));
   }
   RaggedArgs args(a0, a1, io, ss, oo, rs, r0, r1, s.attrs, form, groups);
   e = args.error;

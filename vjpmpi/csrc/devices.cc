@@ -27,6 +27,11 @@ std::string MakePlace(int64_t base, int64_t pid, const int64_t* dev, size_t n, P
   p.stride = dev[2];
   p.layout = dev[3];
   p.group = n > 5 && dev[5] != 0;
+  p.devices = n > 6 ? static_cast<int>(dev[6]) : p.parts;
+  if (p.devices < p.parts) {
+    return "vjpmpi: this program's device attributes are not the ones these kernels take "
+           "(more partitions than devices: a vjpmpi bug)";
+  }
   p.pid = static_cast<int>(pid);
   p.a = static_cast<int>((pid / p.stride) % p.local);
   p.g = static_cast<int>((pid / (p.stride * p.local)) * p.stride + pid % p.stride);
@@ -45,12 +50,20 @@ DeviceSet& Devices(Runtime& rt, int64_t base, int parts) {
   return *slot;
 }
 
-std::string Ensure(DeviceSet& set, int level, const std::function<std::string(int)>& make) {
+std::string Ensure(DeviceSet& set, int level, const std::function<std::string(int)>& make,
+                   int64_t run) {
   if (set.level.load(std::memory_order_acquire) >= level) return {};
   std::lock_guard<std::mutex> lock(set.setup);
+  // (the run's other devices do not try again: the processes would count one more
+  // collective there than the others)
+  if (set.setup_run == run && !set.setup_error.empty()) return set.setup_error;
   for (int l = set.level.load() + 1; l <= level; ++l) {
     std::string e = make(l);
-    if (!e.empty()) return e;
+    if (!e.empty()) {
+      set.setup_run = run;
+      set.setup_error = e;
+      return e;
+    }
     set.level.store(l, std::memory_order_release);
   }
   return {};
@@ -230,13 +243,24 @@ std::string Meet(Runtime& rt, DeviceSet& set, const Place& pl, DeviceCall* mine,
   return e;
 }
 
+void NoteRunFailure(Runtime& rt, int64_t run, const std::string& error) {
+  if (error.empty() || run == 0) return;
+  std::lock_guard<std::mutex> lock(rt.failed_mutex);
+  if (rt.failed_runs.size() > 64) rt.failed_runs.clear();  // (runs long over)
+  rt.failed_runs.emplace(run, error);
+}
+
+std::string RunFailure(Runtime& rt, int64_t run) {
+  if (run == 0) return {};
+  std::lock_guard<std::mutex> lock(rt.failed_mutex);
+  auto it = rt.failed_runs.find(run);
+  if (it == rt.failed_runs.end()) return {};
+  return "another device of this process failed in this run of the program: " + it->second;
+}
+
 void Fail(DeviceSet& set, int64_t run, const std::string& error) {
   if (error.empty()) return;
-  {
-    std::lock_guard<std::mutex> lock(set.failed_mutex);
-    if (set.failed.size() > 64) set.failed.clear();  // (runs long over)
-    set.failed.emplace(run, error);
-  }
+  NoteRunFailure(runtime, run, error);
   for (auto& box : set.boxes) {  // (wake the devices that wait for a letter)
     std::lock_guard<std::mutex> b(box->m);
     box->cv.notify_all();
@@ -248,12 +272,7 @@ void Fail(DeviceSet& set, int64_t run, const std::string& error) {
   }
 }
 
-std::string Failure(DeviceSet& set, int64_t run) {
-  std::lock_guard<std::mutex> lock(set.failed_mutex);
-  auto it = set.failed.find(run);
-  if (it == set.failed.end()) return {};
-  return "another device of this process failed in this run of the program: " + it->second;
-}
+std::string Failure(DeviceSet&, int64_t run) { return RunFailure(runtime, run); }
 
 // ------------------------------------------------------------- letters --
 void PostLetter(DeviceSet& set, int to, int from, int tag, Kind kind, size_t count,

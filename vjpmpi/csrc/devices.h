@@ -40,6 +40,7 @@ struct Runtime;
 struct Place {
   int64_t base = 0;     // vjpmpi's number of the communicator the program names
   int parts = 1;        // N: the program's devices (partitions) in this process
+  int devices = 1;      // this process's devices (N of them or more): its DeviceSet's size
   int local = 1;        // D: this process's devices in one group
   int64_t stride = 1;   // the group axis's stride in the partition order (row-major mesh)
   int pid = 0;          // this device's partition
@@ -54,7 +55,8 @@ struct Place {
   int Partition(int b) const { return static_cast<int>(pid + (b - a) * stride); }
 };
 
-// The `dev` attribute is [N, D, stride, layout, level, group]; an error text for a bad one.
+// The `dev` attribute is [N, D, stride, layout, level, group, devices]; an error text for
+// a bad one.
 std::string MakePlace(int64_t base, int64_t pid, const int64_t* dev, size_t n, Place* out);
 
 // A message between two devices of this process (send / recv / sendrecv, the ragged
@@ -102,6 +104,8 @@ struct DeviceSet {
   int parts = 0;
   std::mutex setup;              // held while the duplicates are made
   std::atomic<int> level{0};     // 1: `dev` made; 2: `pair` made too
+  int64_t setup_run = 0;         // the run whose making of them failed, and why
+  std::string setup_error;
   std::vector<int64_t> dev;      // per partition
   std::vector<int64_t> pair;     // per (sending, receiving) partition: s * parts + r
   std::vector<std::unique_ptr<Mailbox>> boxes;  // per receiving partition
@@ -111,19 +115,18 @@ struct DeviceSet {
   // DeviceStartedCall), by (partition, slot, run), until their wait.
   std::mutex started_mutex;
   std::map<std::tuple<int, int64_t, int64_t>, std::shared_ptr<void>> started;
-  // Runs (XLA's run ids) in which a device call failed, and why: the program's other
-  // devices stop waiting for it (Meet, TakeLetter) with the same error.
-  std::mutex failed_mutex;
-  std::map<int64_t, std::string> failed;
 };
 
-// The devices of communicator `base` in programs of `parts` devices (made on first use;
-// its duplicates not yet: Ensure).
+// The devices of communicator `base` in a process of `parts` devices (made on first use;
+// its duplicates not yet: Ensure). One set whatever the programs' meshes: processes whose
+// programs differ in their devices then meet in the same duplicates, where their layouts
+// differ (an error), rather than each waiting for the others to make duplicates of its own.
 DeviceSet& Devices(Runtime& rt, int64_t base, int parts);
 // Make the set's duplicates up to `level` (1 or 2) once: `make(level)` makes and numbers
 // them, collectively over the base communicator (run by the first device to need them;
-// the others wait for it here).
-std::string Ensure(DeviceSet& set, int level, const std::function<std::string(int)>& make);
+// the others wait for it here; where it failed, the others of its run `run` get its error).
+std::string Ensure(DeviceSet& set, int level, const std::function<std::string(int)>& make,
+                   int64_t run);
 // `count` duplicates of `comm`, numbered (vjpmpi's numbers, in order), named `name`#i.
 std::string DuplicateComms(Runtime& rt, MPI_Comm comm, int count, const char* name,
                            std::vector<int64_t>* ids);
@@ -147,7 +150,8 @@ std::string TakeLetter(Runtime& rt, DeviceSet& set, int me, int from, int tag, K
                        size_t count, void* out, const char* op, int64_t run);
 
 // A device call of run `run` failed with `error`: the run's other devices stop waiting
-// (Meet, TakeLetter) with it; Failure: why run `run` failed ("": it did not).
+// (Meet, TakeLetter, the ranks' agreement: runtime.h's RunFailure) with it; Failure: why
+// run `run` failed ("": it did not).
 void Fail(DeviceSet& set, int64_t run, const std::string& error);
 std::string Failure(DeviceSet& set, int64_t run);
 

@@ -93,6 +93,7 @@ inline Call MakeCall(const char* name, const Attrs& a, int uses) {
   c.reverse = a.reverse != 0;
   c.uses = uses;
   c.layout = a.layout;
+  c.run = a.layout != 0 ? a.run : 0;  // (device calls only)
   return c;
 }
 

@@ -207,6 +207,7 @@ struct Call {
   int ndim2 = 0;
   bool check_p2p = false;  // VJPMPI_CHECK: point-to-point messages carry a header
   int64_t layout = 0;      // a device call's devices' layout (devices.h Place), else 0
+  int64_t run = 0;         // a device call's XLA run id (it stops waiting if its run failed)
   int64_t site = 0;        // call-site hash (its text: the runtime's registry), or 0
   std::string (*site_text)(int64_t) = nullptr;
   // Memory the buffers live in: host (default), or device memory handed to a

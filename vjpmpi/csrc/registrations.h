@@ -1,5 +1,6 @@
 // The table of every handler a backend module exports (registrations()): the one-device
-// handlers (bindings.h), the device calls (device_bindings.h) where B's memory is the host.
+// handlers (bindings.h) and the device calls (device_bindings.h); those on host memory only
+// (the ragged exchange, started calls) where B is the CPU backend (kAsync).
 #pragma once
 
 #include <utility>
@@ -38,25 +39,25 @@ std::vector<Registration> Registrations() {
   add("recurrence", &Entry<&RecurrenceImpl<B>, &BinaryBinding<B>>);
   add("others_product", &Entry<&UnaryImpl<B, kOthersProductOp>, &UnaryBinding<B>>);
   add("hold", &Entry<&HoldImpl<B>, &UnaryBinding<B>>);
+  // device calls (device_ops.h, device_p2p.h: a program on several devices of a process)
+  add("allreduce_dev", &Entry<&DevUnaryImpl<B, kAllreduceOp>, &DevUnaryBinding<B>>);
+  add("reduce_dev", &Entry<&DevUnaryImpl<B, kReduceOp>, &DevUnaryBinding<B>>);
+  add("bcast_dev", &Entry<&DevUnaryImpl<B, kBcastOp>, &DevUnaryBinding<B>>);
+  add("allgather_dev", &Entry<&DevUnaryImpl<B, kAllgatherOp>, &DevUnaryBinding<B>>);
+  add("gather_dev", &Entry<&DevUnaryImpl<B, kGatherOp>, &DevUnaryBinding<B>>);
+  add("scatter_dev", &Entry<&DevUnaryImpl<B, kScatterOp>, &DevUnaryBinding<B>>);
+  add("alltoall_dev", &Entry<&DevUnaryImpl<B, kAlltoallOp>, &DevUnaryBinding<B>>);
+  add("reduce_scatter_dev", &Entry<&DevUnaryImpl<B, kReduceScatterOp>, &DevUnaryBinding<B>>);
+  add("scan_dev", &Entry<&DevUnaryImpl<B, kScanOp>, &DevUnaryBinding<B>>);
+  add("exscan_dev", &Entry<&DevUnaryImpl<B, kExscanOp>, &DevUnaryBinding<B>>);
+  add("agree_dev", &Entry<&DevUnaryImpl<B, kAgreeOp>, &DevUnaryBinding<B>>);
+  add("others_product_dev", &Entry<&DevUnaryImpl<B, kOthersProductOp>, &DevUnaryBinding<B>>);
+  add("send_dev", &Entry<&DevSendImpl<B>, &DevArgBinding<B>>);
+  add("recv_dev", &Entry<&DevRecvImpl<B>, &DevUnaryBinding<B>>);
+  add("sendrecv_dev", &Entry<&DevSendrecvImpl<B>, &DevBinaryBinding<B>>);
+  add("recurrence_dev", &Entry<&DevRecurrenceImpl<B>, &DevBinaryBinding<B>>);
+  add("barrier_dev", &Entry<&DevBarrierImpl<B>, &DevTokenBinding<B>>);
   if constexpr (B::kAsync) {
-    // device calls (device_ops.h): host memory for now
-    add("allreduce_dev", &Entry<&DevUnaryImpl<B, kAllreduceOp>, &DevUnaryBinding<B>>);
-    add("reduce_dev", &Entry<&DevUnaryImpl<B, kReduceOp>, &DevUnaryBinding<B>>);
-    add("bcast_dev", &Entry<&DevUnaryImpl<B, kBcastOp>, &DevUnaryBinding<B>>);
-    add("allgather_dev", &Entry<&DevUnaryImpl<B, kAllgatherOp>, &DevUnaryBinding<B>>);
-    add("gather_dev", &Entry<&DevUnaryImpl<B, kGatherOp>, &DevUnaryBinding<B>>);
-    add("scatter_dev", &Entry<&DevUnaryImpl<B, kScatterOp>, &DevUnaryBinding<B>>);
-    add("alltoall_dev", &Entry<&DevUnaryImpl<B, kAlltoallOp>, &DevUnaryBinding<B>>);
-    add("reduce_scatter_dev", &Entry<&DevUnaryImpl<B, kReduceScatterOp>, &DevUnaryBinding<B>>);
-    add("scan_dev", &Entry<&DevUnaryImpl<B, kScanOp>, &DevUnaryBinding<B>>);
-    add("exscan_dev", &Entry<&DevUnaryImpl<B, kExscanOp>, &DevUnaryBinding<B>>);
-    add("agree_dev", &Entry<&DevUnaryImpl<B, kAgreeOp>, &DevUnaryBinding<B>>);
-    add("others_product_dev", &Entry<&DevUnaryImpl<B, kOthersProductOp>, &DevUnaryBinding<B>>);
-    add("send_dev", &Entry<&DevSendImpl<B>, &DevArgBinding<B>>);
-    add("recv_dev", &Entry<&DevRecvImpl<B>, &DevUnaryBinding<B>>);
-    add("sendrecv_dev", &Entry<&DevSendrecvImpl<B>, &DevBinaryBinding<B>>);
-    add("recurrence_dev", &Entry<&DevRecurrenceImpl<B>, &DevBinaryBinding<B>>);
-    add("barrier_dev", &Entry<&DevBarrierImpl<B>, &DevTokenBinding<B>>);
     add("ragged_alltoall_dev", &Entry<&DevRaggedImpl<B>, &DevRaggedBinding<B>>);
     add("ragged_alltoall", &Entry<&RaggedImpl<B>, &RaggedBinding<B>>);
     add("send_start", &Entry<&SendStartImpl<B>, &StartBinding<B>>);

@@ -120,6 +120,10 @@ struct Runtime {
   // the number of devices of the programs that use them).
   std::mutex devices_mutex;
   std::map<std::pair<int64_t, int>, std::unique_ptr<DeviceSet>> devices;
+  // Runs (XLA's run ids) in which a device call failed, and why: the program's other
+  // devices stop waiting (for a meeting, a letter, the ranks' agreement) with the error.
+  std::mutex failed_mutex;
+  std::map<int64_t, std::string> failed_runs;
   uint64_t next_watch = 1;
   std::once_flag watchdog_started;
 };
@@ -216,6 +220,11 @@ struct Guard {
     if (watch != 0) Rewatch(rt, watch, NowNs());
   }
 };
+// A device call of run `run` failed with `error` (NoteRunFailure); why run `run` failed
+// ("": it did not; 0: no run).
+void NoteRunFailure(Runtime& rt, int64_t run, const std::string& error);
+std::string RunFailure(Runtime& rt, int64_t run);
+
 // Using vjpmpi after MPI_Finalize is an error, not a crash.
 std::string CheckAlive(const char* op);
 
