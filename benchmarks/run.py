@@ -1,10 +1,13 @@
 """Run the whole benchmark suite and write the table, the plot and the target checks.
 
     python benchmarks/run.py [--ranks 2] [--quick] [--gpu | --gpu-only] [--out benchmarks/results]
+    python benchmarks/run.py --only devices [--rounds 3] [--max-bytes B] [--quick]
 
 Runs the parts of `suite.py` under mpiexec (each with a timeout): main, gloo, check,
-net (shared memory off, every message over loopback TCP) and, with --gpu, gpu; then
-writes OUT/results.md (tables, targets met or missed) and OUT/results.png.
+net (shared memory off, every message over loopback TCP), ..., devices (2 processes x 2
+CPU devices, 4 x 1, and gloo at 2 x 2: jobs in turn, --rounds times) and, with --gpu,
+gpu; then writes OUT/results.md (tables, targets met or missed) and OUT/results.png.
+`--only devices` runs the devices part alone into OUT/devices.md, .json and .png.
 `--quick` uses tiny sizes and few repetitions, compiled at LLVM -O0 (the smoke test,
 which judges no figure); `--gpu-only` runs the
 GPU part alone (what tests/gpu/run_on_gpu.sh runs).
@@ -43,10 +46,11 @@ QUICK_RANKS = {"nonlinear": (2,), "fft": (1, 2), "memory": 2}
 GPU_ENV = {"JAX_PLATFORMS": "cuda,cpu", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
-def run_part(part, ranks, quick, timeout, workdir, env=None):
+def run_part(part, ranks, quick, timeout, workdir, env=None, args=()):
     path = Path(workdir) / f"{part}.json"
+    path.unlink(missing_ok=True)  # (a part that runs more than once: never an old result)
     cmd = [*launch(ranks), sys.executable, str(HERE / "suite.py"), "--part", part,
-           "--json", str(path)]
+           "--json", str(path), *args]
     full_env = {**os.environ, **ENV, **(env or {})}
     if quick:  # the smoke test: nothing is judged, so the ranks compile as the tests' do
         cmd.append("--quick")
@@ -285,19 +289,25 @@ def report(m, g, g_why):
                            m.get("async_why"), check)
     text += pipeline_report(m.get("pipeline"), m.get("pipeline_why"))
     text += ragged_report(m.get("ragged"), m.get("ragged_why"), check)
+    text += devices_report(m.get("devices"), m.get("devices_why"), check)
     text += gpu_report(m.get("gpu"), m.get("gpu_why"))
     text += ["## Competitors", "",
              f"- mpi4py {m.get('mpi4py', '')}: buffer API on preallocated NumPy arrays (floor).",
              "- io_callback(ordered=True) + mpi4py: latency table.",
              (f"- mpi4jax {m['mpi4jax']}: latency and bandwidth tables." if has_m4j else
               f"- mpi4jax: not run — {m['mpi4jax_why']}"),
-             ("- JAX gloo psum (jax.distributed + shard_map): latency and allreduce bandwidth."
+             ("- JAX gloo psum (jax.distributed + shard_map): latency and allreduce bandwidth; "
+              "at 2 processes x 2 devices, the many-devices tables."
               if g else f"- JAX gloo psum: not run — {g_why}"), ""]
-    met = sum(ok for _, _, ok in checks)
-    text += [f"## Targets: {met} of {len(checks)} met", "",
-             table(["target", "measured", "met"],
-                   [[n, val, "yes" if ok else "**no**"] for n, val, ok in checks]), ""]
+    text += targets(checks)
     return "\n".join(text), checks
+
+
+def targets(checks):
+    met = sum(ok for _, _, ok in checks)
+    return [f"## Targets: {met} of {len(checks)} met", "",
+            table(["target", "measured", "met"],
+                  [[n, val, "yes" if ok else "**no**"] for n, val, ok in checks]), ""]
 
 
 def nonlinear_report(parts, check):
@@ -515,6 +525,169 @@ def ragged_report(r, why, check):
     return text
 
 
+# the devices part: each layout a job of its own (the device count in XLA_FLAGS), the jobs
+# run in turn, DEVICE_ROUNDS times (the ratios between jobs: medians of the rounds')
+DEVICE_JOBS = {"2x2": ("devices", 2, 2), "4x1": ("devices", 4, 1),
+               "gloo": ("devices_gloo", 2, 2)}
+DEVICE_ROUNDS = 3
+
+
+def run_devices(quick, workdir, rounds=None, max_bytes=None):
+    """The devices part: 2 processes x 2 CPU devices (vjpmpi.lax.psum, allreduce over
+    device_comm, a sharded array against one device), 4 processes x 1 device (allreduce)
+    and JAX's gloo psum on a jax.distributed mesh of 2 x 2, each job in turn, `rounds`
+    times. A vjpmpi job that fails fails the part; gloo's failing leaves it out."""
+    rounds = rounds or (1 if quick else DEVICE_ROUNDS)
+    args = ["--max-bytes", str(max_bytes)] if max_bytes else []
+    runs, gloo_why = {k: [] for k in DEVICE_JOBS}, None
+    for _ in range(rounds):
+        for key, (part, procs, ndev) in DEVICE_JOBS.items():
+            if key == "gloo" and gloo_why:
+                continue
+            env = {"XLA_FLAGS": f"{ENV['XLA_FLAGS']} --xla_force_host_platform_device_count={ndev}"}
+            res, why = run_part(part, procs, quick, 120 if quick else 900, workdir, env=env,
+                                args=args)
+            if res is None:
+                why = f"{procs} processes x {ndev} devices: {why}"
+                if key != "gloo":
+                    return None, why
+                gloo_why, runs["gloo"] = why, []
+                continue
+            runs[key].append(res)
+    return devices_combine(runs, rounds, gloo_why), None
+
+
+def devices_combine(runs, rounds, gloo_why):
+    """One row per size from the rounds' jobs: times, the median over the rounds; a ratio
+    between two jobs, the median over the rounds of the ratio of their times in that round;
+    a ratio within a job (timed in turn), the median over the rounds of its own."""
+    from statistics import median
+
+    two, one, gloo = runs["2x2"], runs["4x1"], runs["gloo"]
+    rows = []
+    for i, row in enumerate(two[0]["rows"]):
+        a = [r["rows"][i] for r in two]
+        c = [r["rows"][i] for r in one]
+        g = [r["rows"][i] for r in gloo]
+        assert all(r["bytes"] == row["bytes"] for r in a + c + g), "the jobs' sizes differ"
+        out = {"bytes": row["bytes"], "iters": row["iters"],
+               "right": all(r["right"] for r in a + c),
+               "right_sharded": all(r["right_sharded"] for r in a),
+               "ranks_4x1": median(r["allreduce"] for r in c),
+               "gloo": median(r["psum"] for r in g) if g else None,
+               "gloo_right": all(r["right"] for r in g) if g else None}
+        for k in ("psum", "allreduce", "sharded", "one_device", "eager_sharded",
+                  "eager_one_device", "sharded_vs_one", "eager_sharded_vs_one",
+                  "psum_vs_allreduce"):
+            out[k] = median(r[k] for r in a)
+        for k in ("psum", "allreduce"):
+            out[f"{k}_vs_4x1"] = median(x[k] / y["allreduce"] for x, y in zip(a, c))
+            out[f"{k}_vs_gloo"] = (median(x[k] / y["psum"] for x, y in zip(a, g)) if g
+                                   else None)
+        rows.append(out)
+    return {"procs": two[0]["procs"], "devices": two[0]["devices"], "rounds": rounds,
+            "reps": two[0]["reps"], "ranks_procs": one[0]["procs"], "jax": two[0]["jax"],
+            "mpi": two[0]["mpi"],
+            "gloo_collectives": gloo[0]["collectives"] if gloo else None,
+            "gloo_why": gloo_why, "rows": rows}
+
+
+def size_label(nbytes):
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+def devices_report(d, why, check):
+    """Many devices per process against the same ranks as processes, JAX's gloo psum and
+    the same array on one device."""
+    text = ["## Many devices per process", ""]
+    if d is None:
+        check("devices part: ran", why, False)
+        return text + [f"Not run: {why}", ""]
+    P, D, rows = d["procs"], d["devices"], d["rows"]
+    gloo = "" if d["gloo_why"] is None else f" (gloo not run: {d['gloo_why']})"
+    text += [
+        f"{P} processes x {D} CPU devices (`--xla_force_host_platform_device_count={D}`), "
+        f"every device a rank ({P * D} ranks): a jitted `fori_loop` of dependent "
+        f"allreduce(SUM) of float32 in a `shard_map` over each process's devices, per op "
+        "(marginal: (T(3N) - T(N)) / 2N). `vjpmpi.lax.psum`: the `shard_map` program as JAX "
+        "writes it (default `check_vma`, the sum cast back to varying for the loop's carry); "
+        "`device_comm`: `vjpmpi.allreduce(x, MPI.SUM, comm=vjpmpi.device_comm(\"d\"))`. "
+        f"Against the same {P * D} ranks as {d['ranks_procs']} processes of one device "
+        "(`vjpmpi.allreduce` in a jitted `fori_loop`), and against JAX's own: "
+        f"`jax.distributed` on localhost, {P} processes x {D} devices, one mesh of the "
+        f"{P * D} devices, `jax.lax.psum` in the same loop, CPU collectives "
+        f"`{d['gloo_collectives']}`{gloo}. `gloo right`: one psum of integer data per "
+        "device against the exact sum. Each layout is a job of its own; the jobs ran in "
+        f"turn, {d['rounds']} round(s) of {d['reps']} repetitions each: a time is the median "
+        "over the rounds, a ratio between two jobs the median over the rounds of that "
+        "round's ratio. Sizes are bytes per device (per rank). Milliseconds per op.", "",
+        table(["bytes per device", "vjpmpi.lax.psum", "device_comm allreduce",
+               f"{d['ranks_procs']} x 1 allreduce", "gloo psum", "gloo right",
+               f"psum / {d['ranks_procs']} x 1", f"device_comm / {d['ranks_procs']} x 1",
+               "psum / gloo", "device_comm / gloo"],
+              [[size_label(r["bytes"]), ms(r["psum"]), ms(r["allreduce"]), ms(r["ranks_4x1"]),
+                ms(r["gloo"]), None if r["gloo_right"] is None else
+                ("yes" if r["gloo_right"] else "**no**"), r["psum_vs_4x1"],
+                r["allreduce_vs_4x1"], r["psum_vs_gloo"], r["allreduce_vs_gloo"]]
+               for r in rows]), "",
+        f"A sharded array (the process is the rank): {P} processes, each a float32 array of "
+        f"{D} x the size split over its {D} devices (`NamedSharding`), `vjpmpi.allreduce` in "
+        "a jitted `fori_loop` (per op, marginal) and eagerly (per call), against the same "
+        "array on one device, the two timed in turn in each repetition (ratio: the median "
+        "of the repetitions' ratios). Milliseconds.", "",
+        table(["bytes per device", "array bytes", "sharded, jit loop", "one device, jit loop",
+               "jit loop ratio", "sharded, eager", "one device, eager", "eager ratio"],
+              [[size_label(r["bytes"]), size_label(D * r["bytes"]), ms(r["sharded"]),
+                ms(r["one_device"]), r["sharded_vs_one"], ms(r["eager_sharded"]),
+                ms(r["eager_one_device"]), r["eager_sharded_vs_one"]] for r in rows]), ""]
+    if any(r["gloo_right"] is False for r in rows):
+        text += ["**gloo's psum gave wrong values** at " + ", ".join(
+            size_label(r["bytes"]) for r in rows if r["gloo_right"] is False) + ".", ""]
+
+    def worst(key, limit, what):
+        vals = [(r[key], r["bytes"]) for r in rows if r[key] is not None]
+        if not vals:
+            check(what, d["gloo_why"] or "not measured", False)
+            return
+        v, b = max(vals)
+        check(what, f"{v:.2f}x at worst ({size_label(b)})", v <= limit)
+
+    layout = f"{P} x {D}"
+    other = f"{d['ranks_procs']} processes x 1 device"
+    worst("psum_vs_4x1", 1.1, f"{layout}: vjpmpi.lax.psum <= 1.1x vjpmpi at {other}, every size")
+    worst("allreduce_vs_4x1", 1.1, f"{layout}: allreduce over device_comm <= 1.1x vjpmpi at "
+          f"{other}, every size")
+    worst("psum_vs_gloo", 1.0, f"{layout}: vjpmpi.lax.psum <= 1.0x gloo psum at {layout}, "
+          "every size")
+    worst("allreduce_vs_gloo", 1.0, f"{layout}: allreduce over device_comm <= 1.0x gloo psum "
+          f"at {layout}, every size")
+    worst("sharded_vs_one", 1.1, f"sharded array over {D} devices, allreduce in a jitted loop "
+          "<= 1.1x the same array on one device, every size")
+    worst("eager_sharded_vs_one", 1.1, f"sharded array over {D} devices, eager allreduce "
+          "<= 1.1x the same array on one device, every size")
+    bad = [size_label(r["bytes"]) for r in rows if not (r["right"] and r["right_sharded"])]
+    check(f"{layout} and {other}: vjpmpi's sums exact", "wrong at " + ", ".join(bad) if bad
+          else "all sizes", not bad)
+    return text
+
+
+def devices_plot(ax, d):
+    """Milliseconds per op against bytes per device, every layout of the devices part."""
+    b = [r["bytes"] for r in d["rows"]]
+    for label, key in (("vjpmpi.lax.psum 2x2", "psum"), ("device_comm allreduce 2x2", "allreduce"),
+                       ("vjpmpi allreduce 4x1", "ranks_4x1"), ("gloo psum 2x2", "gloo"),
+                       ("sharded array, jit", "sharded"), ("one-device array, jit", "one_device")):
+        if all(r[key] is not None for r in d["rows"]):
+            ax.plot(b, [ms(r[key]) for r in d["rows"]], "o-" if "gloo" not in key else "x--",
+                    label=label)
+    ax.set(xscale="log", yscale="log", xlabel="bytes per device", ylabel="ms per allreduce",
+           title=f"{d['procs']} processes x {d['devices']} devices")
+    ax.legend(fontsize=7)
+
+
 def overlap_report(o, why, a, a_why, check):
     """Communication that overlaps computation (simulated network) and what the
     asynchronous calls cost where nothing overlaps (shared memory)."""
@@ -621,7 +794,8 @@ def plot(m, g, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    dev = m.get("devices")
+    fig, axes = plt.subplots(1, 3 if dev else 2, figsize=(16.5 if dev else 11, 4))
     lat = m["latency"]
     e = [r["elements"] for r in lat]
     series = {"mpi4py floor": "floor", "vjpmpi fori": "fori", "vjpmpi jit call": "jit_call",
@@ -646,8 +820,37 @@ def plot(m, g, path):
     axes[1].set(xscale="log", yscale="log", xlabel="MiB", ylabel="time / mpi4py floor",
                 title="bandwidth (jitted loop)")
     axes[1].legend(fontsize=7)
+    if dev:
+        devices_plot(axes[2], dev)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def only_devices(args):
+    """`run.py --only devices`: the devices part alone, into OUT/devices.{md,json,png}."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as work:
+        d, why = run_devices(args.quick, work, args.rounds, args.max_bytes)
+    checks = []
+    head = (f"# vjpmpi benchmarks: many devices per process ({d['mpi']}, JAX {d['jax']})"
+            if d else "# vjpmpi benchmarks: many devices per process")
+    body = devices_report(d, why, lambda n, v, ok: checks.append((n, v, bool(ok))))
+    text = "\n".join([head, *body[1:], *targets(checks)])
+    (out / "devices.md").write_text(text)
+    (out / "devices.json").write_text(json.dumps({"devices": d, "devices_why": why}, indent=1))
+    if d is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        devices_plot(ax, d)
+        fig.tight_layout()
+        fig.savefig(out / "devices.png", dpi=100)
+    print(text)
+    return 0 if d is not None else f"devices part failed: {why}"
 
 
 def main():
@@ -658,7 +861,16 @@ def main():
     parser.add_argument("--gpu-only", action="store_true",
                         help="time GPU buffers only (tests/gpu/run_on_gpu.sh)")
     parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--only", choices=("devices",),
+                        help="run this part alone: OUT/devices.md, devices.json, devices.png")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"the devices part's rounds of jobs (default {DEVICE_ROUNDS}; "
+                             "--quick: 1)")
+    parser.add_argument("--max-bytes", type=int, default=None,
+                        help="the devices part: sizes per device up to this many bytes")
     args = parser.parse_args()
+    if args.only == "devices":
+        sys.exit(only_devices(args))
     if not args.quick and not args.gpu_only:
         missing = [m for m in COMPETITORS if importlib.util.find_spec(m) is None]
         if missing:  # a full run judges every target against every competitor
@@ -692,6 +904,7 @@ def main():
         ovl, ovl_why = run_overlap(args.quick, work)
         pipe, pipe_why = run_part("pipeline", 2, args.quick, 300, work)
         rag, rag_why = run_part("ragged", 2, args.quick, 600, work)
+        dev, dev_why = run_devices(args.quick, work, args.rounds, args.max_bytes)
         nonlinear = []
         for ranks in QUICK_RANKS["nonlinear"] if args.quick else NONLINEAR_RANKS:
             part, why = run_part("nonlinear", ranks, args.quick, 300, work)
@@ -712,6 +925,7 @@ def main():
     m["overlap"], m["overlap_why"] = ovl, ovl_why
     m["pipeline"], m["pipeline_why"] = pipe, pipe_why
     m["ragged"], m["ragged_why"] = rag, rag_why
+    m["devices"], m["devices_why"] = dev, dev_why
     import mpi4py
 
     m["mpi4py"] = mpi4py.__version__

@@ -3,6 +3,8 @@
     mpiexec -n 2 python benchmarks/suite.py --part main --json out.json [--quick]
     mpiexec -n 2 python benchmarks/suite.py --part gloo --json gloo.json [--quick]
     VJPMPI_CHECK=1 mpiexec -n 2 python benchmarks/suite.py --part check --json c.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 mpiexec -n 2 python benchmarks/suite.py \
+        --part devices --json d.json [--max-bytes 1048576]
 
 `main` times vjpmpi, mpi4py's buffer API on preallocated NumPy arrays (the floor),
 an `io_callback(ordered=True)` + mpi4py implementation and, when it is installed,
@@ -12,7 +14,9 @@ multi-process CPU collectives (`jax.distributed` + gloo + `psum` under
 up before JAX's CPU client exists. `check` repeats a few of `main`'s figures with
 the mismatch check on (VJPMPI_CHECK=1); `gpu` (with `run.py --gpu`) times GPU buffers in
 each CUDA mode; `net` times latency and bandwidth with shared memory off (the
-network path, over loopback). Every figure is the median of several
+network path, over loopback); `devices` (at P processes x D CPU devices, and at P * D
+processes x 1 device) and `devices_gloo` (JAX's psum on a `jax.distributed` mesh of
+P x D devices) time many devices per process. Every figure is the median of several
 repetitions after warm-up, timed on rank 0 after a barrier. Rank 0 writes the
 figures as JSON; `run.py` turns them into the table, the plot and the targets.
 """
@@ -1194,19 +1198,203 @@ def gloo_part(quick):
     return {"latency": lat, "bandwidth": bw}
 
 
+# ------------------------------------------------------------------- devices --
+# Many devices per process (run.py runs these at 2 processes x 2 CPU devices, the device
+# count set in XLA_FLAGS, and `devices` also at 4 processes x 1 device): sizes are bytes of
+# float32 per device (per rank of the P x D devices); `--max-bytes` caps them.
+DEV_SIZES = tuple(1 << k for k in range(12, 27, 2))  # 4 KiB, 16 KiB, ..., 64 MiB
+DEV_SIZES_QUICK = (1 << 12, 1 << 14)
+
+
+def dev_sizes(quick, max_bytes):
+    sizes = DEV_SIZES_QUICK if quick else DEV_SIZES
+    return [b for b in sizes if not max_bytes or b <= max_bytes]
+
+
+def dev_iters(nbytes, quick):
+    """Ops per loop (the marginal cost's N): about 4 MiB of messages per loop, 2 to 100
+    (--quick: 10)."""
+    return 10 if quick else max(2, min(100, (4 * MIB) // nbytes))
+
+
+def dev_value(g, n):
+    """Rank (or device) g's data for the value checks: small integers, so float32 sums of
+    them are exact."""
+    return (np.arange(n) % 7 + g + 1).astype(np.float32)
+
+
+def marginal_cases(cases, iters, reps):
+    """Per-op seconds of each case, `name: (make_loop(k), argument)`, in every repetition:
+    the N- and 3N-op loops of every case timed in turn within each repetition
+    (`interleaved`), (T(3N) - T(N)) / 2N, a list per case."""
+    runs = {}
+    for name, (make, arg) in cases.items():
+        runs[name + "1"], runs[name + "3"] = loops(make, arg, iters)
+    t = interleaved(runs, reps, each=True)
+    return {name: [max(b - a, 1e-9) / (2 * iters) for a, b in
+                   zip(t[name + "1"], t[name + "3"], strict=True)] for name in cases}
+
+
+def _vary(x, axis):
+    """`x` typed as varying over `axis` again (no data moves): a psum's result, fed back
+    into a loop whose carry varies (JAX's pvary, `pcast(to="varying")` from 0.8)."""
+    import jax
+
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, (axis,), to="varying")
+    return jax.lax.pvary(x, (axis,))
+
+
+def devices_part(quick, max_bytes=None):
+    """Many devices per process. With D > 1 devices per process: every device a rank, per
+    op in a jitted fori_loop inside a shard_map over this process's devices (axis "d"),
+    `vjpmpi.lax.psum` (under JAX's default check_vma, its result cast back to varying for
+    the carry) and `vjpmpi.allreduce` over `vjpmpi.device_comm("d")`, timed in turn; and a
+    jax.Array of D x the size split over the devices (the process is the rank) against the
+    same array on one device, `vjpmpi.allreduce` in a jitted fori_loop and eagerly, timed
+    in turn. With one device per process: `vjpmpi.allreduce` of that size per rank in a
+    jitted fori_loop (the layout of P x D processes that a device communicator stands in
+    for). Loops run on zeros (the values stay put; a value check of each call on
+    integer data precedes the timing)."""
+    import vjpmpi
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devs = jax.local_devices()
+    D = len(devs)
+    mesh = Mesh(np.array(devs), ("d",))
+    split = NamedSharding(mesh, P("d"))
+    reps = 3 if quick else 7
+
+    def in_map(body, k):  # k ops of `body` in a jitted loop, in a shard_map over "d"
+        return jax.jit(jax.shard_map(lambda v: jax.lax.fori_loop(0, k, lambda i, c: body(c), v),
+                                     mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+    psum = lambda c: _vary(vjpmpi.lax.psum(c, "d"), "d")  # noqa: E731
+    allreduce_dc = lambda c: vjpmpi.allreduce(c, MPI.SUM, comm=vjpmpi.device_comm("d"))  # noqa
+    allreduce = lambda c: vjpmpi.allreduce(c, MPI.SUM)  # noqa: E731
+    rows = []
+    for nbytes in dev_sizes(quick, max_bytes):
+        n, iters = nbytes // 4, dev_iters(nbytes, quick)
+        row = {"bytes": nbytes, "iters": iters}
+        if D == 1:
+            got = jax.jit(allreduce)(jnp.asarray(dev_value(RANK, n)))
+            row["right"] = bool(np.array_equal(np.asarray(got),
+                                               sum(dev_value(g, n) for g in range(SIZE))))
+            t = marginal_cases({"allreduce": (lambda k: fori(allreduce, k),
+                                              jnp.zeros(n, jnp.float32))}, iters, reps)
+            row["allreduce"] = float(np.median(t["allreduce"]))
+            rows.append(row)
+            continue
+        # every device a rank: the values of one call, then the loops
+        mine = np.concatenate([dev_value(RANK * D + i, n) for i in range(D)])
+        want = np.tile(sum(dev_value(g, n) for g in range(SIZE * D)), D)
+        xs = jax.device_put(mine, split)
+        row["right"] = all(np.array_equal(np.asarray(in_map(body, 1)(xs)), want)
+                           for body in (psum, allreduce_dc))
+        # a process's array of D x n split over its devices, and the same on one device
+        whole = dev_value(RANK, D * n)
+        want = sum(dev_value(p, D * n) for p in range(SIZE))
+        row["right_sharded"] = all(
+            np.array_equal(np.asarray(f(jax.device_put(whole, where))), want)
+            for f in (jax.jit(allreduce), allreduce) for where in (split, devs[0]))
+        zs = jax.device_put(jnp.zeros(D * n, jnp.float32), split)
+        z1 = jax.device_put(jnp.zeros(D * n, jnp.float32), devs[0])
+        t = marginal_cases({
+            "psum": (lambda k: in_map(psum, k), zs),
+            "allreduce": (lambda k: in_map(allreduce_dc, k), zs),
+            "sharded": (lambda k: fori(allreduce, k), zs),
+            "one_device": (lambda k: fori(allreduce, k), z1)}, iters, reps)
+        jax_block(allreduce(zs))
+        jax_block(allreduce(z1))
+        e = interleaved({  # eager calls, one at a time
+            "sharded": repeat(lambda: jax_block(allreduce(zs)), iters),
+            "one_device": repeat(lambda: jax_block(allreduce(z1)), iters)}, reps, each=True)
+        e = {k: [s / iters for s in v] for k, v in e.items()}
+        row.update({k: float(np.median(v)) for k, v in t.items()})
+        row.update({f"eager_{k}": float(np.median(v)) for k, v in e.items()})
+        # (each a median of the repetitions' ratios: the pair timed in turn)
+        row["sharded_vs_one"] = float(np.median(np.divide(t["sharded"], t["one_device"])))
+        row["eager_sharded_vs_one"] = float(np.median(np.divide(e["sharded"], e["one_device"])))
+        row["psum_vs_allreduce"] = float(np.median(np.divide(t["psum"], t["allreduce"])))
+        rows.append(row)
+    return {"procs": SIZE, "devices": D, "reps": reps, "rows": rows, "jax": jax.__version__,
+            "mpi": MPI.Get_library_version().splitlines()[0]}
+
+
+def devices_gloo_part(quick, max_bytes=None):
+    """JAX's own answer to `devices_part`: `jax.distributed` over the processes (gloo, JAX's
+    CPU collectives), one mesh of every process's devices, and `jax.lax.psum` in the same
+    jitted loop inside a shard_map as `devices_part`'s `vjpmpi.lax.psum` (under check_vma,
+    cast back to varying). Before the timing, one psum of integer data per size against
+    the exact sum: whether gloo's values are right."""
+    port = None
+    if RANK == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = COMM.bcast(port)
+    import jax
+
+    # (JAX 0.10's default when jax.distributed is initialized; set to say so)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                               num_processes=SIZE, process_id=RANK)
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    every = jax.devices()
+    N, D = len(every), len(jax.local_devices())
+    mesh = Mesh(np.array(every), ("d",))
+    spec = NamedSharding(mesh, P("d"))
+    reps = 3 if quick else 7
+
+    def global_array(n, data):  # each local device's n elements: data(its mesh index)
+        parts = [jax.device_put(data(every.index(d)), d) for d in jax.local_devices()]
+        return jax.make_array_from_single_device_arrays((N * n,), spec, parts)
+
+    def in_map(body, k):
+        return jax.jit(jax.shard_map(lambda v: jax.lax.fori_loop(0, k, lambda i, c: body(c), v),
+                                     mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+    psum = lambda c: _vary(jax.lax.psum(c, "d"), "d")  # noqa: E731
+    rows = []
+    for nbytes in dev_sizes(quick, max_bytes):
+        n, iters = nbytes // 4, dev_iters(nbytes, quick)
+        got = in_map(psum, 1)(global_array(n, lambda g: dev_value(g, n)))
+        want = sum(dev_value(g, n) for g in range(N))
+        wrong = [int(s.index[0].start // n) for s in got.addressable_shards
+                 if not np.array_equal(np.asarray(s.data), want)]
+        right = not any(COMM.allgather(wrong))
+        t = marginal_cases({"psum": (lambda k: in_map(psum, k),
+                                     global_array(n, lambda g: np.zeros(n, np.float32)))},
+                           iters, reps)
+        rows.append({"bytes": nbytes, "iters": iters, "right": right,
+                     "psum": float(np.median(t["psum"]))})
+    return {"procs": SIZE, "devices": D, "reps": reps, "rows": rows,
+            "collectives": jax.config.jax_cpu_collectives_implementation,
+            "jax": jax.__version__}
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", choices=("main", "gloo", "check", "gpu", "net", "nonlinear",
-                                           "memory", "fft", "overlap", "async", "pipeline", "ragged"),
+                                           "memory", "fft", "overlap", "async", "pipeline",
+                                           "ragged", "devices", "devices_gloo"),
                         default="main")
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--max-bytes", type=int, default=None,
+                        help="the devices parts: sizes per device up to this many bytes")
     args = parser.parse_args()
     part = {"main": main_part, "gloo": gloo_part, "check": check_part, "gpu": gpu_part,
             "net": net_part, "nonlinear": nonlinear_part, "memory": memory_part,
             "fft": fft_part, "overlap": overlap_part, "async": async_part,
-            "pipeline": pipeline_part, "ragged": ragged_part}[args.part]
-    result = part(args.quick)
+            "pipeline": pipeline_part, "ragged": ragged_part, "devices": devices_part,
+            "devices_gloo": devices_gloo_part}[args.part]
+    result = (part(args.quick, args.max_bytes) if args.part.startswith("devices")
+              else part(args.quick))
     if RANK == 0:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

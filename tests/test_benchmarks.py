@@ -19,6 +19,39 @@ def numbers(tree, path=""):
         yield path, tree
 
 
+DEVICE_TIMES = ("psum", "allreduce", "ranks_4x1", "gloo", "sharded", "one_device",
+                "eager_sharded", "eager_one_device", "psum_vs_4x1", "allreduce_vs_4x1",
+                "psum_vs_gloo", "allreduce_vs_gloo", "sharded_vs_one", "eager_sharded_vs_one")
+
+
+def check_devices(dev, why):
+    """The devices part at its two smallest sizes: 2 processes x 2 devices, 4 x 1, and
+    gloo's psum at 2 x 2, every figure timed, vjpmpi's sums exact and gloo's checked."""
+    assert dev is not None, why
+    assert (dev["procs"], dev["devices"], dev["ranks_procs"]) == (2, 2, 4)
+    assert dev["gloo_why"] is None and dev["gloo_collectives"] == "gloo"
+    assert [r["bytes"] for r in dev["rows"]] == [4096, 16384]
+    for r in dev["rows"]:
+        assert r["right"] and r["right_sharded"], r
+        assert isinstance(r["gloo_right"], bool), r  # (recorded, not judged: gloo's values)
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in DEVICE_TIMES), r
+
+
+def test_devices_part_alone(tmp_path):
+    """`run.py --only devices`: the part on its own, its table, targets, JSON and plot."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--only",
+                          "devices", "--quick", "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-5000:]
+    res = json.loads((tmp_path / "devices.json").read_text())
+    check_devices(res["devices"], res["devices_why"])
+    text = (tmp_path / "devices.md").read_text()
+    assert "| bytes per device | vjpmpi.lax.psum |" in text and "| 16 KiB |" in text
+    assert "## Targets: " in text and "vjpmpi's sums exact | all sizes | yes |" in text
+    assert (tmp_path / "devices.png").stat().st_size > 10_000
+    assert not (tmp_path / "results.md").exists()
+
+
 def test_benchmark_suite_smoke(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
@@ -85,7 +118,10 @@ def test_benchmark_suite_smoke(tmp_path):
         (b, s) for b in (1 << 10, 1 << 20) for s in ("uniform", "skewed")]
     assert all(r[k] > 0 for r in rag["rows"] for k in ("vjpmpi", "alltoallv", "with_counts"))
     assert rag["moe"]["ep"] > 0 and rag["moe"]["all_experts"] > 0
+    # many devices per process (2 x 2, 4 x 1, gloo at 2 x 2), its two smallest sizes
+    check_devices(main["devices"], main["devices_why"])
     text = (tmp_path / "results.md").read_text()
+    assert "## Many devices per process" in text
     assert "## Variable-size exchange: ragged_alltoall against mpi4py's Alltoallv" in text
     assert "## Cost of the watchdog's default, and of the point-to-point check" in text
     assert "## Nonlinear derivatives" in text and "## Peak memory" in text

@@ -76,7 +76,8 @@ from jax._src.interpreters import partial_eval as _pe
 
 # the sharding half of the seam (its own module: shard_map, device layouts)
 from ._jax_shard import (axis_rank, check_vma, device_where, extend_axes, lower_fun,
-                         lowering_devices, manual_axis_size, named_axes, pvary, vma_of,
+                         lowering_devices, manual_axis_size, named_axes, pvary, reshaped,
+                         reshard, explicit_axes, context_mesh, vma_of,
                          with_vma)
 
 # The names the rest of the package uses: rule tables, types and helpers, never a module.

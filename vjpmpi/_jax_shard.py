@@ -34,7 +34,7 @@ from jax._src import config as _config
 from jax._src import core as _core
 
 __all__ = ["lowering_devices", "device_where", "lower_fun", "axis_rank", "manual_axis_size",
-           "check_vma", "vma_of", "with_vma", "pvary", "named_axes", "extend_axes"]
+           "check_vma", "vma_of", "with_vma", "reshaped", "reshard", "explicit_axes", "context_mesh", "pvary", "named_axes", "extend_axes"]
 
 
 def lowering_devices(ctx: mlir.LoweringRuleContext) -> tuple:
@@ -116,6 +116,48 @@ def with_vma(aval, vma: frozenset):
     if mat is not None:
         return aval.update(manual_axis_type=mat.update(varying=frozenset(vma)))
     return aval.update(vma=frozenset(vma))
+
+
+def reshaped(aval, shape: tuple):
+    """`aval` with another shape. An explicit sharding (`jax.make_mesh`'s default axis type)
+    keeps its spec for the trailing axes of the old shape that the new one keeps (right
+    aligned: a rank axis added or dropped in front), any other axis unsplit."""
+    sharding = getattr(aval, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or getattr(sharding.mesh, "empty", True) or not any(spec):
+        return aval.update(shape=shape)
+    old = tuple(spec) + (None,) * (len(aval.shape) - len(spec))
+    new = [None] * len(shape)
+    for k in range(1, min(len(shape), len(aval.shape)) + 1):
+        if shape[-k] == aval.shape[-k]:
+            new[-k] = old[-k]
+    return aval.update(shape=shape, sharding=sharding.update(spec=jax.sharding.PartitionSpec(*new)))
+
+
+def context_mesh(avals):
+    """The mesh a program being lowered names: its arguments' (their shardings' abstract
+    mesh) or `jax.set_mesh`'s; None when it names none."""
+    for a in avals:
+        mesh = getattr(getattr(a, "sharding", None), "mesh", None)
+        if mesh is not None and not getattr(mesh, "empty", True):
+            return mesh
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get() if get is not None else None
+    return None if mesh is None or getattr(mesh, "empty", True) else mesh
+
+
+def explicit_axes(mesh) -> bool:
+    """Whether all of `mesh`'s axes are of the explicit type (arrays typed by their split:
+    `jax.make_mesh`'s default from JAX 0.7)."""
+    types = getattr(mesh, "axis_types", None)
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    return bool(types) and explicit is not None and all(t == explicit for t in types)
+
+
+def reshard(x, mesh, spec):
+    """`x` split as `spec` over `mesh` (explicit axes: `jax.sharding.reshard`; nothing
+    moves when it is split so already)."""
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))
 
 
 def pvary(x, axes: tuple):

@@ -189,12 +189,33 @@ def wrap(ctx, prim, spec, params, args):
     a `shard_map` over those devices, each device's part of its arrays (`layout`) moved
     by that device's own call."""
     n = auto_devices(ctx)
-    mesh = jax.sharding.AbstractMesh((n,), (AXIS,))
-    ins, outs = layout(spec, params, ctx.avals_in, ctx.avals_out, n)
-    split = {**params, "layout": _split_hash(spec, params, n, ins[0])}
+    mesh = jc.context_mesh(ctx.avals_in)
+    if mesh is None or mesh.size != n:
+        mesh, names, explicit = jax.sharding.AbstractMesh((n,), (AXIS,)), None, False
+    else:  # (a mesh the program names: split over all of its axes)
+        names, explicit = tuple(mesh.axis_names), jc.explicit_axes(mesh)
+    block = None
+    if explicit:
+        # Arrays typed by their split (jax.make_mesh's default axis type): each device's
+        # part as the first array is split, the others and the results resharded to match
+        # its parts, then to their own types.
+        first = ctx.avals_in[0]
+        lead = 1 if spec.rank_axis(params)[0] else 0
+        given = tuple(first.sharding.spec) + (None,) * len(first.shape)
+        block = given[lead:len(first.shape)] if any(given[lead:]) else None
+    ins, outs = layout(spec, params, ctx.avals_in, ctx.avals_out, n, block, names)
+    key = n if names is None else tuple(mesh.shape.items())
+    split = {**params, "layout": _split_hash(spec, params, key, ins[0])}
     body = lambda *xs: prim.bind(*xs, **split)  # noqa: E731
-    fn = lambda *xs: jax.shard_map(body, mesh=mesh, in_specs=ins, out_specs=list(outs),  # noqa: E731
-                                   check_vma=False)(*xs)
+
+    def fn(*xs):
+        if explicit:
+            xs = [jc.reshard(x, mesh, s) for x, s in zip(xs, ins, strict=True)]
+        ys = jax.shard_map(body, mesh=mesh, in_specs=ins, out_specs=list(outs),
+                           check_vma=False)(*xs)
+        if explicit:
+            ys = [jc.reshard(y, mesh, a.sharding.spec) for y, a in zip(ys, ctx.avals_out, strict=True)]
+        return ys
     return jc.lower_fun(fn, ctx, args)
 
 

@@ -113,8 +113,9 @@ def like(i: int) -> Callable:
 
 
 def with_shape(aval, shape) -> jc.ShapedArray:
-    """`aval` with another shape (dtype, weak type and shard_map typing kept)."""
-    return aval.update(shape=tuple(shape))
+    """`aval` with another shape (dtype, weak type, shard_map typing and an explicit
+    sharding's split of the axes it keeps)."""
+    return jc.reshaped(aval, tuple(shape))
 
 
 def is_root(params) -> bool:

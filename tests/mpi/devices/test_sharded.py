@@ -132,6 +132,42 @@ def test_derivatives_of_a_sharded_array():
         jax.vmap(lambda u: vjpmpi.allreduce(u, MPI.SUM))(whole(np.asarray(x)))))
 
 
+def test_arrays_typed_by_their_split():
+    """Arrays on a mesh of explicit axes (`jax.make_mesh`'s default: the split is part of
+    the type): in jit, values and derivatives against one device, the results typed as
+    JAX's rules say (a rank axis in front unsplit), over one mesh axis and two."""
+    from jax.sharding import AxisType
+    shapes = [((D,), ("e",))] + ([((2, D // 2), ("e", "f"))] if D % 2 == 0 and D > 2 else [])
+    for dims, names in shapes:
+        mesh = jax.make_mesh(dims, names, axis_types=(AxisType.Explicit,) * len(dims))
+        x = value((PROCS, 2 * D, 2 * D), salt=5)
+        for spec in [P(None, names[0]), P(None, None, names), P(None, *names), P()]:
+            xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+            ops = {
+                "allreduce": lambda v: vjpmpi.allreduce(v * 2, MPI.SUM),
+                "allgather": lambda v: vjpmpi.allgather(v[0]),
+                "reduce_scatter": lambda v: vjpmpi.reduce_scatter(v, MPI.SUM),
+                "sendrecv": lambda v: vjpmpi.sendrecv(v, v, prv, nxt),
+                "alltoallv": lambda v: vjpmpi.alltoallv(
+                    v[0], jnp.full((PROCS,), 1), capacity=PROCS)[0],
+            }
+            for name, op in ops.items():
+                got = jax.jit(op)(xs)
+                np.testing.assert_allclose(np.asarray(got), np.asarray(op(whole(x))),
+                                           rtol=1e-12, err_msg=f"{name} {spec}")
+                typed = NamedSharding(mesh, jax.typeof(got).sharding.spec)
+                assert got.sharding.is_equivalent_to(typed, got.ndim), (name, spec)
+            loss = lambda v: jnp.sum(jnp.sin(vjpmpi.reduce_scatter(vjpmpi.alltoall(v),  # noqa: E731
+                                                                   MPI.SUM)) ** 2)
+            with jax.set_mesh(mesh):
+                g = jax.jit(jax.grad(loss))(xs)
+            np.testing.assert_allclose(np.asarray(g), np.asarray(jax.grad(loss)(whole(x))),
+                                       rtol=1e-12, err_msg=f"grad {spec}")
+        allgathered = jax.jit(lambda v: vjpmpi.allgather(v))(
+            jax.device_put(jnp.asarray(x[0]), NamedSharding(mesh, P(names[0]))))
+        assert tuple(jax.typeof(allgathered).sharding.spec) == (None, names[0], None)
+
+
 def test_a_process_communicator_inside_shard_map():
     """Inside shard_map a process communicator's call is each device's own: device i of
     every process exchanges with device i of the others (its shard)."""
