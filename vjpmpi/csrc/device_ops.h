@@ -96,14 +96,9 @@ std::string StartDevice(const char* op, ffi::Buffer<ffi::S32> where, const Attrs
     StagedMem m;
     std::vector<int64_t> ids;
     ffi::Error r = Run<false>(m, c, sa, true, 0, Ok, [&](StagedMem&, const Call& cc) {
-      // (partition 0's is the base communicator itself: a process that runs a one-device
-      // program there meets this process's first group and their calls disagree, an
-      // error on both, rather than each waiting on a communicator of its own)
-      int count = l == 1 ? s->place.devices - 1 : s->place.devices * s->place.devices;
-      std::string de = DuplicateComms(runtime, cc.comm, count,
-                                      l == 1 ? "vjpmpi.device" : "vjpmpi.pair", &ids);
-      if (de.empty() && l == 1) ids.insert(ids.begin(), a.comm);
-      return de;
+      int count = l == 1 ? s->place.devices : s->place.devices * s->place.devices;
+      return DuplicateComms(runtime, cc.comm, count, l == 1 ? "vjpmpi.device" : "vjpmpi.pair",
+                            &ids);
     });
     if (r.failure()) return r.message();
     (l == 1 ? s->set->dev : s->set->pair) = std::move(ids);

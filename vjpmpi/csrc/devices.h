@@ -7,10 +7,8 @@
 //    per combination of the mesh's other axes (vjpmpi.device_comm); D = 1 makes each
 //    device a group of its own across the processes (a sharded array: the process is
 //    the rank, each device moves its own shard);
-//  - every device of the program but the first has a duplicate of the base communicator
-//    (DeviceSet::dev; the first, partition 0, the base itself: where another process
-//    runs a one-device program instead, the two disagree there, an error on both): a
-//    group's collectives cross processes on its first device's communicator, run by
+//  - every device of the program has a duplicate of the base communicator (DeviceSet::
+//    dev): a group's collectives cross processes on its first device's duplicate, run by
 //    that device's thread once the group's devices have met (Meet) in this process; the
 //    group's other devices wait for it and never call MPI for it;
 //  - messages between two devices of one process go through memory (Mailbox); between
