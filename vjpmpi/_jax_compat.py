@@ -88,7 +88,7 @@ __all__ = [
     "Effect", "cpu_client_started", "install", "keep_alive_in_dce", "keep_in_partial_eval",
     "chain_token", "set_chain_token", "lowering_devices", "lowering_for_export", "ClosedJaxpr",
     "check_vma", "vma_of", "with_vma", "pvary", "device_where", "lower_fun", "axis_rank",
-    "manual_axis_size", "named_axes",
+    "manual_axis_size", "named_axes", "reshaped", "reshard", "explicit_axes", "context_mesh",
     "inside_host_callback", "exported_text", "call_exported_p", "trace_state", "eval_jaxpr",
 ]
 

@@ -389,8 +389,16 @@ std::string OpenChannel(Runtime& rt, CommEntry& e, const Call* c) {
     std::memset(ch->base, 0, Channel::kBytes);
     err = Check(MPI_Win_lock_all(MPI_MODE_NOCHECK, ch->win), op, "MPI_Win_lock_all");
   }
-  // no rank reads another's ring before it is zeroed
-  if (err.empty()) err = Check(MPI_Barrier(ch->dup), op, "MPI_Barrier (agreement)");
+  // no rank reads another's ring before it is zeroed (an allreduce: its rank 0's key
+  // for the order windows close in, CommEntry::close_key, comes to every rank with it)
+  if (err.empty()) {
+    const int64_t seq = rt.channels_opened.fetch_add(1) + 1;
+    int world_rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+    int64_t mine[2] = {e.rank == 0 ? seq : 0, e.rank == 0 ? world_rank : 0};
+    err = Check(MPI_Allreduce(mine, e.close_key, 2, MPI_INT64_T, MPI_MAX, ch->dup), op,
+                "MPI_Allreduce (agreement)");
+  }
   if (!err.empty()) {
     delete ch;
     return err;

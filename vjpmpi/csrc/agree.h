@@ -133,6 +133,9 @@ struct CommEntry {
   // others' idup then completes.
   MPI_Request opening = MPI_REQUEST_NULL;
   MPI_Comm opening_dup = MPI_COMM_NULL;
+  // The window's place in the order windows close at finalize, the same on every rank of
+  // it: (its rank 0's count of windows opened then, that rank's place in COMM_WORLD).
+  int64_t close_key[2] = {0, 0};
 };
 
 // Communicator numbers -> entries: two levels, lock-free to read, never moved.

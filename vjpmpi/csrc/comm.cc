@@ -58,7 +58,13 @@ int Finalizing(MPI_Comm, int, void*, void*) {
     open = rt->open_channels;
   }
   for (CommEntry* e : open) __atomic_store_n(&e->channel->header()->finalized, 1, __ATOMIC_RELEASE);
-  for (auto it = open.rbegin(); it != open.rend(); ++it) CloseChannel(*rt, **it);
+  // (MPI_Win_free is collective: every rank frees the windows in one order, the last
+  // opened first)
+  std::sort(open.begin(), open.end(), [](const CommEntry* a, const CommEntry* b) {
+    return std::make_pair(a->close_key[0], a->close_key[1]) >
+           std::make_pair(b->close_key[0], b->close_key[1]);
+  });
+  for (CommEntry* e : open) CloseChannel(*rt, *e);
   return MPI_SUCCESS;
 }
 

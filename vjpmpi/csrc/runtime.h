@@ -55,9 +55,12 @@ struct Runtime {
   std::unordered_map<int64_t, std::string> sites;
 
   // Communicators by vjpmpi's number for them (the `comm` attribute), and those with
-  // an agreement window, in the order they were opened (closed in reverse at finalize).
+  // an agreement window (closed at finalize by CommEntry::close_key, last first: windows
+  // that threads of one process opened in another order than its peers' still close in
+  // the same order on every rank), and the windows this process has opened.
   CommTable comms;
   std::vector<CommEntry*> open_channels;
+  std::atomic<int64_t> channels_opened{0};
   int comm_key = MPI_KEYVAL_INVALID;  // the attribute that holds a communicator's number
   std::once_flag comm_keys;
   // The node of each COMM_WORLD rank (a number per node; set once from Python at import,
