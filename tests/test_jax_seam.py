@@ -45,6 +45,7 @@ PRIVATE_SHARD = {
     "jax._src.config": {"_check_vma"},
     "jax._src.core": {"pvary_p"},
     "jax._src.shard_map": {"shard_map_p", "lax_parallel"},
+    "jax._src.interpreters.ad": {"fancy_transposes"},
 }
 
 

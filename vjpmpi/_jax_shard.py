@@ -11,6 +11,8 @@ Private, with what each is for:
 - `jax._src.core`: `pvary_p` (`extend_axes`: the transpose of JAX's implicit `pvary`).
 - `jax._src.shard_map`: `shard_map_p` (`extend_axes`: its transpose) and the module global
   `lax_parallel` (`extend_axes`: the sums its transpose makes without check_vma).
+- `jax._src.interpreters.ad`: `fancy_transposes` (`extend_axes`: where JAX 0.12 keeps
+  shard_map's transpose; `jax.interpreters.ad` does not export it).
 
 Public names it relies on: a lowering context's `module_context.axis_context` (its class's
 name and `mesh`, `manual_axes`, `num_devices`), `jax.sharding.get_abstract_mesh`,
@@ -124,7 +126,7 @@ def reshaped(aval, shape: tuple):
     aligned: a rank axis added or dropped in front), any other axis unsplit."""
     sharding = getattr(aval, "sharding", None)
     spec = getattr(sharding, "spec", None)
-    if spec is None or getattr(sharding.mesh, "empty", True) or not any(spec):
+    if spec is None or getattr(sharding.mesh, "empty", True):
         return aval.update(shape=shape)
     old = tuple(spec) + (None,) * (len(aval.shape) - len(spec))
     new = [None] * len(shape)
@@ -177,8 +179,8 @@ def extend_axes(extended: Callable, psum: Callable) -> None:
     `lax_parallel.psum` in `jax._src.shard_map`, here a wrapper module there only) and
     divides those of results not split over it by its size (here: its devices in every
     process). Other axes' as before. Relies on `core.pvary_p` and its `axes` parameter,
-    `ad.primitive_transposes` (shard_map's in `ad.fancy_transposes` from 0.12, with the
-    same arguments), shard_map's `mesh`, `out_specs` and `check_vma` parameters, and its
+    `ad.primitive_transposes` (shard_map's in `jax._src.interpreters.ad.fancy_transposes`
+    from 0.12, with the same arguments), shard_map's `mesh`, `out_specs` and `check_vma` parameters, and its
     module global `lax_parallel`, looked up at call time. Idempotent."""
     from jax._src import shard_map as _shard_map
 
@@ -226,8 +228,9 @@ def extend_axes(extended: Callable, psum: Callable) -> None:
 
         _shard_map.lax_parallel = _Parallel()
 
-    table = (ad.fancy_transposes if _shard_map.shard_map_p in getattr(ad, "fancy_transposes", {})
-             else ad.primitive_transposes)
+    from jax._src.interpreters import ad as _ad  # (0.12's fancy table: not in jax.interpreters.ad)
+    fancy = _ad.fancy_transposes if hasattr(_ad, "fancy_transposes") else {}
+    table = fancy if _shard_map.shard_map_p in fancy else ad.primitive_transposes
     original_sm = table[_shard_map.shard_map_p]
     if not getattr(original_sm, "vjpmpi_guard", False):
         def shard_map_transpose(out_cts, *args, **params):

@@ -191,7 +191,9 @@ def wrap(ctx, prim, spec, params, args):
     n = auto_devices(ctx)
     mesh = jc.context_mesh(ctx.avals_in)
     if mesh is None or mesh.size != n:
-        mesh, names, explicit = jax.sharding.AbstractMesh((n,), (AXIS,)), None, False
+        # (axes of the automatic type: JAX 0.12's default is explicit)
+        mesh = jax.sharding.AbstractMesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+        names, explicit = None, False
     else:  # (a mesh the program names: split over all of its axes)
         names, explicit = tuple(mesh.axis_names), jc.explicit_axes(mesh)
     block = None

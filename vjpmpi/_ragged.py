@@ -182,7 +182,13 @@ def _exchange(op, x, out, io, ss, oo, rs, comm, root=0):
 
 
 def _exclusive(counts):
-    return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts)[:-1].astype(jnp.int32)])
+    # (a masked sum, not a cumulative one: inside a shard_map of several devices JAX
+    # 0.12's program token reaches the body's instructions as control predecessors, and
+    # XLA:CPU's rewrite of a cumulative sum then fails, "cannot remove instruction")
+    counts = jnp.asarray(counts).astype(jnp.int32)
+    i = jnp.arange(counts.shape[0])
+    return jnp.sum(jnp.where(i[None, :] < i[:, None], counts[None, :], 0), axis=1,
+                   dtype=jnp.int32)
 
 
 # --------------------------------------------------------------- public --
