@@ -161,6 +161,33 @@ def test_dot_product_of_each_transpose(name):
     assert abs(lhs - rhs) <= 1e-10 * max(1.0, abs(lhs)), (name, lhs, rhs)
 
 
+@pytest.mark.parametrize("name", LINEAR)
+def test_jvp_and_vmap_of_each_op_keep_the_typing(name):
+    """Forward mode and batching inside shard_map under JAX's default check_vma (each rule
+    carries the varying-manual-axes type, or JAX raises): the JVP of a linear op is the op
+    of the tangent; a vmap over two batches in the body (processes batching data that
+    differs) is each batch's call."""
+    op, x, want = OPS[name]
+    shape = x.shape[1:]
+    f = jax.shard_map(lambda v: op(v.reshape(shape), comm())[None], mesh=MESH,
+                      in_specs=P("d"), out_specs=P("d"))
+    xs = local(per_rank(shape, salt=11))
+    ts = jnp.asarray(np.random.default_rng(21 + PROC).standard_normal(xs.shape))
+    y, yt = jax.jit(lambda a, t: jax.jvp(f, (a,), (t,)))(xs, ts)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(jax.jit(f)(xs)), rtol=1e-12, err_msg=name)
+    np.testing.assert_allclose(np.asarray(yt), np.asarray(jax.jit(f)(ts)), rtol=1e-12,
+                               atol=1e-12, err_msg=name)
+
+    def batched(v):
+        u = v.reshape(shape)
+        return jax.vmap(lambda w: op(w, comm()))(jnp.stack([u, 2 * u + 1 + PROC]))[None]
+
+    got = jax.jit(jax.shard_map(batched, mesh=MESH, in_specs=P("d"), out_specs=P("d")))(xs)
+    per = [jax.jit(f)(xs), jax.jit(f)(2 * xs + 1 + PROC)]
+    np.testing.assert_allclose(np.asarray(got), np.stack([np.asarray(p) for p in per], axis=1),
+                               rtol=1e-12, atol=1e-12, err_msg=name)
+
+
 def test_gradient_of_a_loss_against_finite_differences():
     """A nonlinear loss of allreduce(MAX), scan(PROD) and a ring: grad against central
     differences of the same (global) function, one direction per process."""
