@@ -625,23 +625,27 @@ def devices_report(d, why, check):
         "over the rounds, a ratio between two jobs the median over the rounds of that "
         "round's ratio. Sizes are bytes per device (per rank). Milliseconds per op.", "",
         table(["bytes per device", "vjpmpi.lax.psum", "device_comm allreduce",
-               f"{d['ranks_procs']} x 1 allreduce", "gloo psum", "gloo right",
-               f"psum / {d['ranks_procs']} x 1", f"device_comm / {d['ranks_procs']} x 1",
-               "psum / gloo", "device_comm / gloo"],
+               f"{d['ranks_procs']} x 1 allreduce", "gloo psum", "gloo right"],
               [[size_label(r["bytes"]), ms(r["psum"]), ms(r["allreduce"]), ms(r["ranks_4x1"]),
                 ms(r["gloo"]), None if r["gloo_right"] is None else
-                ("yes" if r["gloo_right"] else "**no**"), r["psum_vs_4x1"],
-                r["allreduce_vs_4x1"], r["psum_vs_gloo"], r["allreduce_vs_gloo"]]
-               for r in rows]), "",
+                ("yes" if r["gloo_right"] else "**no**")] for r in rows]), "",
+        "The ratios (each the median over the rounds):", "",
+        table(["bytes per device", f"psum / {d['ranks_procs']} x 1",
+               f"device_comm / {d['ranks_procs']} x 1", "psum / gloo", "device_comm / gloo"],
+              [[size_label(r["bytes"]), r["psum_vs_4x1"], r["allreduce_vs_4x1"],
+                r["psum_vs_gloo"], r["allreduce_vs_gloo"]] for r in rows]), "",
         f"A sharded array (the process is the rank): {P} processes, each a float32 array of "
         f"{D} x the size split over its {D} devices (`NamedSharding`), `vjpmpi.allreduce` in "
         "a jitted `fori_loop` (per op, marginal) and eagerly (per call), against the same "
         "array on one device, the two timed in turn in each repetition (ratio: the median "
         "of the repetitions' ratios). Milliseconds.", "",
         table(["bytes per device", "array bytes", "sharded, jit loop", "one device, jit loop",
-               "jit loop ratio", "sharded, eager", "one device, eager", "eager ratio"],
+               "jit loop ratio"],
               [[size_label(r["bytes"]), size_label(D * r["bytes"]), ms(r["sharded"]),
-                ms(r["one_device"]), r["sharded_vs_one"], ms(r["eager_sharded"]),
+                ms(r["one_device"]), r["sharded_vs_one"]] for r in rows]), "",
+        table(["bytes per device", "array bytes", "sharded, eager", "one device, eager",
+               "eager ratio"],
+              [[size_label(r["bytes"]), size_label(D * r["bytes"]), ms(r["eager_sharded"]),
                 ms(r["eager_one_device"]), r["eager_sharded_vs_one"]] for r in rows]), ""]
     if any(r["gloo_right"] is False for r in rows):
         text += ["**gloo's psum gave wrong values** at " + ", ".join(
