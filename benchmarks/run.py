@@ -130,11 +130,14 @@ def report(m, g, g_why):
              "allreduce(SUM), the program-order token chained through the loop (3 "
              "collectives per call); `eager`: `vjpmpi.allreduce(x, MPI.Op(MPI.SUM))` with a "
              "fresh op object each call.", "",
+             # (two tables of 7 columns, which fit the docs page: in a loop, then per call)
+             "Per op in a jitted loop:", "",
              table(["elements", "mpi4py floor", "vjpmpi fori", "fori / floor", "mpi4jax fori",
-                    "gloo psum fori", "io_callback fori", "jit call, no collective",
-                    "vjpmpi jit call",
+                    "gloo psum fori", "io_callback fori"], [r[:7] for r in rows]), "",
+             "Per call from Python:", "",
+             table(["elements", "jit call, no collective", "vjpmpi jit call",
                     "vjpmpi jit call, loop + 1", "mpi4jax jit call", "gloo psum jit call",
-                    "vjpmpi eager"], rows), ""]
+                    "vjpmpi eager"], [r[:1] + r[7:] for r in rows]), ""]
     ef = m["eager_fresh"]
     text.append(f"Eager calls with a fresh `MPI.Op` and a fresh `MPI.Comm` object each: "
                 f"{ef['calls']} calls, {ef['recompiles']} recompilations, "
@@ -373,9 +376,13 @@ def fft_report(parts, check):
             "array in a one-rank job. `value_and_grad` is that of sum |fftn(x)|^2 (summed "
             "over ranks): one forward and one adjoint transform. Ranks share 2 cores "
             "(4 ranks are oversubscribed).", "",
+            # (two tables, which fit the docs page: against mpi4py-fft, then against one
+            # process and the gradient's cost)
             table(["ranks", "size", "decomposition", "grid", "vjpmpi ms", "mpi4py-fft ms",
-                   "vjpmpi / mpi4py-fft", "1-process jnp ms", "value_and_grad ms",
-                   "vg / f"], rows), ""]
+                   "vjpmpi / mpi4py-fft"], [r[:7] for r in rows]), "",
+            "Against one process, and the cost of `value_and_grad`:", "",
+            table(["ranks", "size", "decomposition", "grid", "vjpmpi ms", "1-process jnp ms",
+                   "value_and_grad ms", "vg / f"], [r[:5] + r[7:] for r in rows]), ""]
 
 
 def memory_report(mem, why, check):
@@ -395,9 +402,12 @@ def memory_report(mem, why, check):
             "the peak's growth over the size before, and XLA's account of the compiled "
             "program (arguments + outputs + temporaries, MiB). The old derivative "
             "allgathered values and tangents: 2 x ranks x `x` more.", "",
+            # (two tables, which fit the docs page: resident sizes, then growth and XLA's)
             table(["op", "x MiB", "before", "jit(f) peak", "jit(value_and_grad f) peak",
-                   "peak ratio", "f growth", "value_and_grad growth", "f xla",
-                   "value_and_grad xla", "xla ratio"], rows), ""]
+                   "peak ratio"], [r[:6] for r in rows]), "",
+            "The peak's growth, and XLA's account:", "",
+            table(["op", "x MiB", "f growth", "value_and_grad growth", "f xla",
+                   "value_and_grad xla", "xla ratio"], [r[:2] + r[6:] for r in rows]), ""]
 
 
 SIMNET = HERE / "simnet.sh"
@@ -678,6 +688,12 @@ def devices_report(d, why, check):
     return text
 
 
+def below(ax):
+    """The axes' legend below them, off the data (the PNG is saved with its "tight" box)."""
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
+              frameon=False)
+
+
 def devices_plot(ax, d):
     """Milliseconds per op against bytes per device, every layout of the devices part."""
     b = [r["bytes"] for r in d["rows"]]
@@ -689,7 +705,7 @@ def devices_plot(ax, d):
                     label=label)
     ax.set(xscale="log", yscale="log", xlabel="bytes per device", ylabel="ms per allreduce",
            title=f"{d['procs']} processes x {d['devices']} devices")
-    ax.legend(fontsize=7)
+    below(ax)
 
 
 def overlap_report(o, why, a, a_why, check):
@@ -742,12 +758,14 @@ def overlap_report(o, why, a, a_why, check):
             "`split`: the exchanges begun with `vjpmpi.start`, the interior rows updated "
             "between `vjpmpi.fence`s, then the `vjpmpi.wait`s. Seconds per step.", "",
             table(["rows per rank", "compute s", "exchange s", "after s", "overlapped s",
-                   "split s", "exchange / compute", "after / compute", "overlapped / compute",
-                   "split / compute"],
+                   "split s"],
                   [[h["rows"], h["compute"], h["exchange"], h["after"], h["overlapped"],
-                    h["split"], h["exchange_ratio"], h["after_ratio"], h["overlapped_ratio"],
-                    h["split_ratio"]]
-                   for h in o["halo"]]), ""]
+                    h["split"]] for h in o["halo"]]), "",
+            "The ratios (each the median of the repetitions' ratios):", "",
+            table(["rows per rank", "exchange / compute", "after / compute",
+                   "overlapped / compute", "split / compute"],
+                  [[h["rows"], h["exchange_ratio"], h["after_ratio"], h["overlapped_ratio"],
+                    h["split_ratio"]] for h in o["halo"]]), ""]
         ratio = mlp["overlapped_ratio"]
         check("overlapped data-parallel MLP step <= 1.15x compute only",
               f"{ratio:.2f}x (after: {mlp['after_ratio']:.2f}x, bound: "
@@ -812,7 +830,7 @@ def plot(m, g, path):
         axes[0].plot(e, [us(r["jit_call"]) for r in g["latency"]], "o--", label="gloo jit call")
     axes[0].set(xscale="log", yscale="log", xlabel="elements", ylabel="us per allreduce",
                 title="latency")
-    axes[0].legend(fontsize=7)
+    below(axes[0])
     for op in ("allreduce", "bcast", "allgather", "alltoall"):
         rs = [r for r in m["bandwidth"] if r["op"] == op]
         axes[1].plot([r["MiB"] for r in rs], [r["vjpmpi"] / r["floor"] for r in rs], "o-",
@@ -823,11 +841,11 @@ def plot(m, g, path):
     axes[1].axhline(1.0, color="k", lw=0.5)
     axes[1].set(xscale="log", yscale="log", xlabel="MiB", ylabel="time / mpi4py floor",
                 title="bandwidth (jitted loop)")
-    axes[1].legend(fontsize=7)
+    below(axes[1])
     if dev:
         devices_plot(axes[2], dev)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
 
 
 def only_devices(args):
@@ -852,7 +870,7 @@ def only_devices(args):
         fig, ax = plt.subplots(figsize=(6, 4))
         devices_plot(ax, d)
         fig.tight_layout()
-        fig.savefig(out / "devices.png", dpi=100)
+        fig.savefig(out / "devices.png", dpi=100, bbox_inches="tight")
     print(text)
     return 0 if d is not None else f"devices part failed: {why}"
 

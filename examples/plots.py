@@ -21,10 +21,11 @@ def save_loss_curves(out, curves, title, ylabel, log=False):
     ax.set_ylabel(ylabel)
     if log:
         ax.set_yscale("log")
-    ax.legend()
+    # (the legend below the axes, off the curves; "tight" keeps it in the PNG)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    fig.savefig(out, dpi=100, bbox_inches="tight")
     plt.close(fig)
     print(f"loss curve written to {out}")
 

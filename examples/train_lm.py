@@ -5,6 +5,8 @@ and check it against the same model trained on one process.
     mpiexec -n 4 python examples/train_lm.py --pipeline 2  # 2 pipeline stages x 2 tensor
     mpiexec -n 8 python examples/train_lm.py --pipeline 2  # 2 x 2 x 2: the 3-D grid
     mpiexec -n 4 python examples/train_lm.py --experts 8   # 4 data x expert parallel
+    mpiexec -n 2 python examples/train_lm.py --checkpoint ck --every 50 --stop 100
+    mpiexec -n 4 python examples/train_lm.py --checkpoint ck  # resumed at step 100, 4 ranks
 
 The ranks form a grid of `pipeline` stages x data-parallel groups x tensor-parallel
 groups (`Comm.Split`s): tensor-parallel groups of `tp` ranks (2 when the ranks per
@@ -27,6 +29,8 @@ compares with plain equinox on one process trained on the same global batches.
 import vjpmpi  # first: vjpmpi sets JAX's CPU dispatch up before any array exists
 
 import argparse
+import json
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -141,9 +145,56 @@ def batches(ids, steps, batch):
     return ids[starts[..., None] + np.arange(SEQ + 1)]
 
 
-def train(model, data, xent, opt, progress=None, mean_over=None, pipeline=None):
+def resumed(model, state, checkpoint):
+    """`(model, state, step)` from the newest checkpoint in `checkpoint.directory` (the
+    arrays this rank holds now, whatever the rank count that saved them), else as given
+    at step 0."""
+    if checkpoint is None:
+        return model, state, 0
+    try:
+        tree, step = vnn.load_checkpoint(checkpoint.directory, {"model": model, "opt": state},
+                                         comm=COMM)
+    except FileNotFoundError:
+        return model, state, 0
+    if COMM.rank == 0:
+        print(f"resumed from step {step} of {checkpoint.directory}")
+    return tree["model"], tree["opt"], step
+
+
+def run(step, model, state, data, checkpoint, progress, mean_over):
+    """`step` over `data` from the checkpoint's step (or 0) to its `stop` (or the end),
+    saving every `checkpoint.every` steps; returns the model, the state, the losses (the
+    mean over `mean_over`) and the first step run."""
+    model, state, start = resumed(model, state, checkpoint)
+    stop = len(data) if checkpoint is None or checkpoint.stop is None else checkpoint.stop
+    losses = []
+    for i in range(start, stop):
+        model, state, loss = step(model, state, jnp.asarray(data[i]))
+        loss = float(loss) if mean_over is None else mean_over.allreduce(float(loss)) / mean_over.size
+        losses.append(loss)
+        if checkpoint is not None and checkpoint.every and (i + 1) % checkpoint.every == 0:
+            vnn.save_checkpoint(checkpoint.directory, {"model": model, "opt": state}, i + 1,
+                                comm=COMM)
+        if progress is not None:
+            progress.set_postfix(loss=f"{loss:.3f}")
+            progress.update()
+    return model, state, losses, start
+
+
+class Checkpoint(NamedTuple):
+    """Where to save (`--checkpoint DIR`), every how many steps, and a step to stop at
+    (None: the end), as if the job ended there."""
+
+    directory: str
+    every: int
+    stop: int | None = None
+
+
+def train(model, data, xent, opt, progress=None, mean_over=None, pipeline=None,
+          checkpoint=None):
     """Adam steps over `data` ((steps, batch, SEQ + 1) windows); with `pipeline` (a
-    `(comm, micro)` pair), `model` is this rank's stage, run by the 1F1B schedule."""
+    `(comm, micro)` pair), `model` is this rank's stage, run by the 1F1B schedule; with
+    `checkpoint`, resumed from its newest step and saved every `checkpoint.every` steps."""
     state = opt.init(eqx.filter(model, eqx.is_inexact_array))
 
     def loss_fn(m, windows):
@@ -172,15 +223,8 @@ def train(model, data, xent, opt, progress=None, mean_over=None, pipeline=None):
         updates, s = opt.update(grads, s, eqx.filter(m, eqx.is_inexact_array))
         return eqx.apply_updates(m, updates), s, loss
 
-    losses = []
-    for windows in data:
-        model, state, loss = step(model, state, jnp.asarray(windows))
-        loss = float(loss) if mean_over is None else mean_over.allreduce(float(loss)) / mean_over.size
-        losses.append(loss)
-        if progress is not None:
-            progress.set_postfix(loss=f"{loss:.3f}")
-            progress.update()
-    return model, losses
+    model, _, losses, start = run(step, model, state, data, checkpoint, progress, mean_over)
+    return model, losses, start
 
 
 class Batched(eqx.Module):
@@ -266,53 +310,32 @@ def moe_model(vocab, experts, key, comm):
     return MoELM(d.embed, d.pos, (MoEBlock(b.norm1, b.attn, b.norm2, moe),), d.norm_f, d.head)
 
 
-def _is_expert(m):
-    """A filter tree: True at the experts' arrays (split over the ranks), else False."""
-    ids = {id(a) for blk in m.blocks for a in (blk.moe.w1, blk.moe.b1, blk.moe.w2, blk.moe.b2)}
-    return jax.tree_util.tree_map(lambda a: id(a) in ids, m)
-
-
-def train_moe(model, data, lr, comm, progress=None):
-    """Adam steps of the MoE model, each rank on its own windows: the experts' gradients
-    are complete on their rank (every rank's tokens came back through the exchanges'
-    transposes) and are divided by the ranks (a mean over the global batch); the other
-    weights are replicated, averaged over the ranks by `sharded_optimizer`. The
-    load-balancing loss enters each rank's loss `size` times in the gradient (its value
-    once): averaged over the ranks, it counts once."""
-    size = comm.size
-    experts = _is_expert(model)
-    params = eqx.filter(model, eqx.is_inexact_array)
-    rest_opt = vnn.sharded_optimizer(optax.adam(lr), comm=comm) if size > 1 else optax.adam(lr)
-    expert_opt = optax.adam(lr)
-    ex_p, rest_p = eqx.partition(params, experts)
-    states = (rest_opt.init(rest_p), expert_opt.init(ex_p))
+def train_moe(model, data, lr, comm, progress=None, checkpoint=None):
+    """Adam steps of the MoE model, each rank on its own windows, through one
+    `sharded_optimizer`: `vjpmpi.nn.layout` tells it that the experts are split (their
+    gradients hold every rank's tokens' part already: kept on their rank, divided by the
+    ranks for the mean) and the rest replicated (averaged over the ranks, its state
+    sharded). Every rank adds the same load-balancing loss to its own: the mean over the
+    ranks counts it once, as one process does."""
+    opt = vnn.sharded_optimizer(optax.adam(lr), comm=comm) if comm.size > 1 else optax.adam(lr)
+    states = opt.init(eqx.filter(model, eqx.is_inexact_array))
 
     def loss_fn(m, windows):
         logits, aux = m(windows[:, :-1])
         xent = optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:])
-        scaled = aux * size - jax.lax.stop_gradient(aux * (size - 1))
-        return jnp.mean(xent) + AUX * scaled
+        return jnp.mean(xent) + AUX * aux
 
     @eqx.filter_jit
     def step(m, states, windows):
         loss, grads = eqx.filter_value_and_grad(loss_fn)(m, windows)
-        ex_g, rest_g = eqx.partition(grads, experts)
-        ex_g = jax.tree_util.tree_map(lambda g: g / size, ex_g)
-        ur, rest_s = rest_opt.update(rest_g, states[0])
-        ue, ex_s = expert_opt.update(ex_g, states[1])
-        return eqx.apply_updates(m, eqx.combine(ur, ue)), (rest_s, ex_s), loss
+        updates, states = opt.update(grads, states)
+        return eqx.apply_updates(m, updates), states, loss
 
-    losses = []
-    for windows in data:
-        model, states, loss = step(model, states, jnp.asarray(windows))
-        losses.append(comm.allreduce(float(loss)) / size)
-        if progress is not None:
-            progress.set_postfix(loss=f"{losses[-1]:.3f}")
-            progress.update()
-    return model, losses
+    model, _, losses, start = run(step, model, states, data, checkpoint, progress, comm)
+    return model, losses, start
 
 
-def main_moe(experts, steps, batch, lr, out, show):
+def main_moe(experts, steps, batch, lr, out, show, checkpoint=None):
     size, rank = COMM.size, COMM.rank
     if batch % size or experts % size:
         raise ValueError(f"train_lm: the batch of {batch} and the {experts} experts must "
@@ -326,7 +349,8 @@ def main_moe(experts, steps, batch, lr, out, show):
     grid = f"{size} data x expert parallel, {experts} experts"
     if show and rank == 0:
         progress = StepBar(steps, f"MoE LM on {size} ranks")
-    model, losses = train_moe(model, mine, lr, COMM, progress)
+    model, losses, start = train_moe(model, mine, lr, COMM, progress, checkpoint)
+    stop = start + len(losses)
     if progress is not None:
         progress.close()
     moe = [blk.moe.to_dense() for blk in model.blocks]  # (a collective: every rank)
@@ -334,9 +358,9 @@ def main_moe(experts, steps, batch, lr, out, show):
     trained = jax.tree_util.tree_map(np.asarray, eqx.filter(trained, eqx.is_array))
 
     def reference_run():
-        reference, ref_losses = train_moe(moe_model(len(alphabet), experts, key, MPI.COMM_SELF),
-                                          data, lr, MPI.COMM_SELF)
-        return {"ref_losses": ref_losses,
+        reference, ref_losses, _ = train_moe(
+            moe_model(len(alphabet), experts, key, MPI.COMM_SELF), data[:stop], lr, MPI.COMM_SELF)
+        return {"ref_losses": ref_losses[start:],
                 "max_param_diff": max_param_diff(trained, eqx.filter(reference, eqx.is_array))}
 
     return compared(losses, on_one_rank(reference_run, COMM), grid, out,
@@ -345,11 +369,19 @@ def main_moe(experts, steps, batch, lr, out, show):
 
 
 def main(steps=150, batch=12, lr=3e-3, pipeline=1, micro=3, out="examples/out/train_lm.png",
-         show=True, experts=0):
+         show=True, experts=0, checkpoint=None):
+    """Train at this job's rank count and compare with one process (rank 0 prints it).
+
+    `checkpoint` (a `Checkpoint`): resume from its directory's newest step (saved at any
+    rank count), save every `every` steps, stop at `stop`; the losses and the comparison
+    are then those of the steps this run took."""
+    if checkpoint is not None and pipeline != 1:
+        raise ValueError("train_lm: --checkpoint runs without --pipeline (this model's stages "
+                         "hold different layers under the same names)")
     if experts:
         if pipeline != 1:
             raise ValueError("train_lm: --experts runs without --pipeline (data x expert parallel)")
-        return main_moe(experts, steps, batch, lr, out, show)
+        return main_moe(experts, steps, batch, lr, out, show, checkpoint)
     size, rank = COMM.size, COMM.rank
     if pipeline < 1 or size % pipeline:
         raise ValueError(f"train_lm: {size} ranks do not split into {pipeline} pipeline stages")
@@ -378,8 +410,10 @@ def main(steps=150, batch=12, lr=3e-3, pipeline=1, micro=3, out="examples/out/tr
         grid = f"{pipeline} pipeline x " + grid
     if show and rank == 0:
         progress = StepBar(steps, f"LM on {size} ranks ({grid})")
-    parallel, losses = train(parallel, mine, xent, opt, progress, mean_over=dp_comm,
-                             pipeline=(pp_comm, micro) if pipeline > 1 else None)
+    parallel, losses, start = train(parallel, mine, xent, opt, progress, mean_over=dp_comm,
+                                    pipeline=(pp_comm, micro) if pipeline > 1 else None,
+                                    checkpoint=checkpoint)
+    stop = start + len(losses)
     if progress is not None:
         progress.close()
     mine = gathered(parallel)  # collective over each tensor-parallel group
@@ -388,9 +422,11 @@ def main(steps=150, batch=12, lr=3e-3, pipeline=1, micro=3, out="examples/out/tr
     trained = joined(stages) if rank == 0 else None
 
     def reference_run():  # the same model and global batches, plain equinox on one process
-        reference, ref_losses = train(dense, data, optax.softmax_cross_entropy_with_integer_labels,
-                                      optax.adam(lr))
-        return {"ref_losses": ref_losses, "max_param_diff": max_param_diff(trained, reference)}
+        reference, ref_losses, _ = train(dense, data[:stop],
+                                         optax.softmax_cross_entropy_with_integer_labels,
+                                         optax.adam(lr))
+        return {"ref_losses": ref_losses[start:],
+                "max_param_diff": max_param_diff(trained, reference)}
 
     result = compared(losses, on_one_rank(reference_run, COMM), grid, out,
                       "Character-level transformer on Python's help pages",
@@ -408,6 +444,17 @@ if __name__ == "__main__":
     parser.add_argument("--experts", type=int, default=0,
                         help="a mixture of this many experts in each block, split over the ranks")
     parser.add_argument("--out", default="examples/out/train_lm.png")
+    parser.add_argument("--checkpoint", metavar="DIR",
+                        help="resume from DIR's newest checkpoint (saved at any rank count) "
+                             "and save one every --every steps")
+    parser.add_argument("--every", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument("--stop", type=int, default=None,
+                        help="stop after this step (as if the job ended there)")
+    parser.add_argument("--json", metavar="FILE", help="rank 0 writes the figures here")
     args = parser.parse_args()
-    main(steps=args.steps, pipeline=args.pipeline, micro=args.micro, out=args.out,
-         experts=args.experts)
+    result = main(steps=args.steps, pipeline=args.pipeline, micro=args.micro, out=args.out,
+                  experts=args.experts, checkpoint=Checkpoint(args.checkpoint, args.every,
+                                                              args.stop) if args.checkpoint else None)
+    if args.json and COMM.rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(result, f)

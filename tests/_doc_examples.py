@@ -28,6 +28,9 @@ OTHER = {"bash", "console", "text", "toml", "yaml", "json", "cpp", "c", "cmake",
          "mermaid", "diff", "hlo", "mlir"}
 DEFAULT_RANKS = 2
 DEFAULT_DEVICES = 1
+# a line that includes a file through pymdownx.snippets (`--8<-- "examples/moe.py"`): a
+# block of only such lines shows a script, which its own smoke test runs
+SNIPPET = re.compile(r'^\s*-{1,}8<-{1,}\s+"[^"]+"\s*$')
 
 
 @dataclasses.dataclass
@@ -76,7 +79,10 @@ def fenced(text: str, group: str, where: str, first_line: int = 1) -> list[Examp
                    None)
         if end is None:
             raise ValueError(f"{where}:{first_line + i}: a fence that is never closed")
-        if lang in ("python", "py", "python3"):
+        shown = [ln for ln in lines[i + 1:end] if ln.strip()]
+        if lang in ("python", "py", "python3") and shown and all(map(SNIPPET.match, shown)):
+            pass  # (a script the page shows, whose own smoke test runs it)
+        elif lang in ("python", "py", "python3"):
             prev = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
             ranks, devices = layout(prev, f"{where}:{first_line + i}")
             body = "\n".join(ln[len(indent):] if ln.startswith(indent) else ln.lstrip()

@@ -86,6 +86,12 @@ def test_an_untagged_fence_is_an_error():
     assert fenced("```bash\nls\n```\n", "x.md", "x.md") == []
     assert fenced("<!-- ranks: 4 -->\n```python\nx = 1\n```\n", "x.md", "x.md") == [
         Example("x.md", "x.md:2", 4, "x = 1\n")]
+    # a block that only includes a script (pymdownx.snippets) is not an example: the
+    # script's smoke test runs it; a line of code beside the include makes it one
+    assert fenced('```python\n--8<-- "examples/moe.py"\n```\n', "x.md", "x.md") == []
+    assert len(fenced('```python\n--8<-- "examples/moe.py"\nx = 1\n```\n', "x.md", "x.md")) == 1
+    with pytest.raises(ValueError, match="a fence of language ''"):
+        fenced('```\n--8<-- "examples/moe.py"\n```\n', "x.md", "x.md")
 
 
 def test_the_layout_annotations():

@@ -313,7 +313,7 @@ def fftn(x, grid=None, *, norm=None, transposed=True, shape=None):
         import vjpmpi
 
         rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
-        x = jax.random.normal(jax.random.PRNGKey(0), (8, 6))  # the global array (here everywhere)
+        x = jax.random.normal(jax.random.PRNGKey(0), (8, 6))  # the global array, on every rank
         n0, n1 = 8 // size, 6 // size
         block = x[rank * n0:(rank + 1) * n0]          # physical layout: axis 0 split
         k = vjpmpi.fft.fftn(block)                    # spectral layout: axis 1 split

@@ -7,8 +7,9 @@
 - A capacity factor: each expert takes at most its capacity from each rank, as the
   one-process layer does on that rank's batch alone.
 - One key gives the same layer as `from_dense`; `to_dense` gives the whole layer back.
-- A training step with the router through `sharded_optimizer` (adam) and the experts
-  through adam on their rank equals adam on the one-process layer.
+- A training step of the whole layer through `sharded_optimizer` (adam: the router's
+  state sharded, the experts' whole on their rank, from `vjpmpi.nn.layout`) equals adam
+  on the one-process layer.
 - Refusals: experts not a multiple of the size, top_k outside 1-2.
 """
 
@@ -42,8 +43,11 @@ def _dense(**kw):
 
 
 def _loss(layer, x, w, total, key=None, alpha=0.1):
+    """This rank's part of the one-process loss `sum(y * w) / total + alpha * aux`: every
+    rank holds the same aux, so each adds 1/size of it (the sum over the ranks' losses,
+    which exact adjoints differentiate, is then the one-process loss)."""
     y, aux = layer(x, key=key)
-    return jnp.sum(y * w) / total + alpha * aux, (y, aux)
+    return jnp.sum(y * w) / total + alpha * aux / layer.comm.size, (y, aux)
 
 
 @pytest.mark.parametrize("top_k,dropout", [(1, 0.0), (2, 0.0), (2, 0.3)])
@@ -105,18 +109,16 @@ def test_step_through_sharded_optimizer_equals_one_process():
     layer = ExpertParallelMoE.from_dense(dense, WORLD)
     xs, ws = _batch(9)
     mine = slice(rank * T, (rank + 1) * T)
-    split = lambda m: eqx.partition(m, lambda a: a is m.router, is_leaf=lambda a: a is m.router)  # noqa: E731
-    router_opt = vjpmpi.nn.sharded_optimizer(optax.adam(1e-2), mean=False)
-    expert_opt = optax.adam(1e-2)
+    # the whole layer through one optimizer: vjpmpi.nn.layout tells it that the experts
+    # are split (kept whole on their rank, not summed) and the router replicated
+    opt = vjpmpi.nn.sharded_optimizer(optax.adam(1e-2), mean=False)
     dense_opt = optax.adam(1e-2)
 
     @jax.jit
-    def step(m, r_state, e_state):
+    def step(m, state):
         g, _ = jax.grad(_loss, has_aux=True)(m, xs[mine], ws[mine], size * T)
-        gr, ge = split(g)
-        ur, r_state = router_opt.update(gr, r_state)
-        ue, e_state = expert_opt.update(ge, e_state)
-        return eqx.apply_updates(m, eqx.combine(ur, ue)), r_state, e_state
+        u, state = opt.update(g, state)
+        return eqx.apply_updates(m, u), state
 
     @jax.jit
     def dense_step(m, state):
@@ -124,11 +126,10 @@ def test_step_through_sharded_optimizer_equals_one_process():
         u, state = dense_opt.update(eqx.filter(g, eqx.is_array), state)
         return eqx.apply_updates(m, u), state
 
-    r_state = router_opt.init(split(layer)[0])
-    e_state = expert_opt.init(split(layer)[1])
+    state = opt.init(layer)
     d_state = dense_opt.init(eqx.filter(dense, eqx.is_array))
     for _ in range(3):
-        layer, r_state, e_state = step(layer, r_state, e_state)
+        layer, state = step(layer, state)
         dense, d_state = dense_step(dense, d_state)
     assert_trees_close(layer.to_dense(), dense, rtol=1e-10, atol=1e-12)
 

@@ -43,9 +43,32 @@ def _no_token(op, token):
 def allreduce(x, op, *, comm=None, token=NOTSET):
     """Reduce `x` over all ranks with `op`; every rank gets the result.
 
-    Shape: `s` -> `s` on every rank.
-    Transpose (SUM, mpi4jax's convention): the identity, the result being one replicated
-    value (`vjpmpi.sum_replicated`); other ops: vjpmpi's derivatives (mpi4jax has none).
+    With `MPI.SUM` this is `vjpmpi.sum_replicated`, mpi4jax's gradient; other ops are
+    `vjpmpi.allreduce`.
+
+    Args:
+        x (ArrayLike): this rank's contribution, any shape.
+        op (MPI.Op | str): the reduction (`MPI.SUM`, `PROD`, `MAX`, `MIN`, the logical and
+            bitwise ones), or its name.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+        token (object): not supported, as in mpi4jax 0.9: leave it out (any value raises).
+
+    Returns:
+        (jax.Array): The reduction of every rank's `x`, on every rank.
+
+    Raises:
+        TypeError: for an argument of the wrong type, as `vjpmpi.allreduce` does.
+        ValueError: for an unknown `op` or a freed `comm`, as `vjpmpi.allreduce` does.
+        RuntimeError: when `token` is given (any value, None included), when MPI has been
+            finalized, or when called from inside a host callback.
+
+    Shape:
+        `s` -> `s` on every rank.
+
+    Transpose:
+        (SUM, mpi4jax's convention) the identity: the result is one value replicated on
+        every rank. Other ops: vjpmpi's derivatives (mpi4jax has none).
     """
     _no_token("allreduce", token)
     if _mpi.as_red(op, "allreduce") == _mpi.SUM:
@@ -56,8 +79,29 @@ def allreduce(x, op, *, comm=None, token=NOTSET):
 def reduce(x, op, root, *, comm=None, token=NOTSET):
     """Reduce `x` over all ranks with `op` onto `root`; other ranks get `x` back unchanged.
 
-    Shape: `s` -> `s` on every rank.
-    Transpose (SUM): bcast from `root`, plus the identity elsewhere (mpi4jax has none).
+    Args:
+        x (ArrayLike): this rank's contribution, any shape.
+        op (MPI.Op | str): the reduction, as in `allreduce`.
+        root (int): the rank that gets the result.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+        token (object): not supported, as in mpi4jax 0.9: leave it out (any value raises).
+
+    Returns:
+        (jax.Array): On `root` the reduction of every rank's `x`; elsewhere `x`.
+
+    Raises:
+        TypeError: for an argument of the wrong type, as `vjpmpi.reduce` does.
+        ValueError: for an unknown `op` or a `root` outside the communicator, as
+            `vjpmpi.reduce` does.
+        RuntimeError: when `token` is given (any value, None included), when MPI has been
+            finalized, or when called from inside a host callback.
+
+    Shape:
+        `s` -> `s` on every rank.
+
+    Transpose:
+        (SUM) bcast from `root`, plus the identity elsewhere (mpi4jax has none).
     """
     _no_token("reduce", token)
     return _reductions.reduce(x, op, root, comm=comm)
@@ -66,8 +110,28 @@ def reduce(x, op, root, *, comm=None, token=NOTSET):
 def bcast(x, root, *, comm=None, token=NOTSET):
     """`root`'s `x` on every rank; `root` gets its own `x` back, others' `x` is a template.
 
-    Shape: `s` -> `s` on every rank.
-    Transpose: reduce(SUM) onto `root` (mpi4jax has none).
+    Args:
+        x (ArrayLike): on `root`, the array to send; elsewhere a template of its shape and
+            dtype.
+        root (int): the sending rank.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+        token (object): not supported, as in mpi4jax 0.9: leave it out (any value raises).
+
+    Returns:
+        (jax.Array): `root`'s `x`, on every rank.
+
+    Raises:
+        TypeError: for an argument of the wrong type, as `vjpmpi.bcast` does.
+        ValueError: for a `root` outside the communicator, as `vjpmpi.bcast` does.
+        RuntimeError: when `token` is given (any value, None included), when MPI has been
+            finalized, or when called from inside a host callback.
+
+    Shape:
+        `s` -> `s` on every rank.
+
+    Transpose:
+        reduce(SUM) onto `root` (mpi4jax has none).
     """
     _no_token("bcast", token)
     return _movement.bcast(x, root, comm=comm)
@@ -76,8 +140,26 @@ def bcast(x, root, *, comm=None, token=NOTSET):
 def allgather(x, *, comm=None, token=NOTSET):
     """Every rank's `x`, stacked in rank order, on every rank.
 
-    Shape: `s` -> `(size, *s)`.
-    Transpose: reduce_scatter(SUM) (mpi4jax has none).
+    Args:
+        x (ArrayLike): this rank's block, the same shape and dtype on every rank.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+        token (object): not supported, as in mpi4jax 0.9: leave it out (any value raises).
+
+    Returns:
+        (jax.Array): Row `r` is rank `r`'s `x`.
+
+    Raises:
+        TypeError: for an argument of the wrong type, as `vjpmpi.allgather` does.
+        ValueError: for a freed `comm`, as `vjpmpi.allgather` does.
+        RuntimeError: when `token` is given (any value, None included), when MPI has been
+            finalized, or when called from inside a host callback.
+
+    Shape:
+        `s` -> `(size, *s)`.
+
+    Transpose:
+        reduce_scatter(SUM) (mpi4jax has none).
     """
     _no_token("allgather", token)
     return _movement.allgather(x, comm=comm)
@@ -86,8 +168,27 @@ def allgather(x, *, comm=None, token=NOTSET):
 def gather(x, root, *, comm=None, token=NOTSET):
     """Every rank's `x`, stacked in rank order, on `root`; other ranks get `x` back.
 
-    Shape: `s` -> `(size, *s)` on `root`, `s` elsewhere.
-    Transpose: scatter from `root`, plus the identity elsewhere (mpi4jax has none).
+    Args:
+        x (ArrayLike): this rank's block, the same shape and dtype on every rank.
+        root (int): the rank that gets the stack.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+        token (object): not supported, as in mpi4jax 0.9: leave it out (any value raises).
+
+    Returns:
+        (jax.Array): On `root`, row `r` is rank `r`'s `x`; elsewhere `x`.
+
+    Raises:
+        TypeError: for an argument of the wrong type, as `vjpmpi.gather` does.
+        ValueError: for a `root` outside the communicator, as `vjpmpi.gather` does.
+        RuntimeError: when `token` is given (any value, None included), when MPI has been
+            finalized, or when called from inside a host callback.
+
+    Shape:
+        `s` -> `(size, *s)` on `root`, `s` elsewhere.
+
+    Transpose:
+        scatter from `root`, plus the identity elsewhere (mpi4jax has none).
     """
     _no_token("gather", token)
     return _movement.gather(x, root, comm=comm)
@@ -96,8 +197,29 @@ def gather(x, root, *, comm=None, token=NOTSET):
 def scatter(x, root, *, comm=None, token=NOTSET):
     """Block `rank` of `root`'s `x` on each rank (other ranks' `x` is a template).
 
-    Shape: `(size, *s)` -> `s` on `root`; `s` -> `s` elsewhere.
-    Transpose: gather onto `root` (mpi4jax has none).
+    Args:
+        x (ArrayLike): on `root`, the blocks, one row per rank; elsewhere a template of one
+            block.
+        root (int): the sending rank.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+        token (object): not supported, as in mpi4jax 0.9: leave it out (any value raises).
+
+    Returns:
+        (jax.Array): This rank's block.
+
+    Raises:
+        TypeError: for an argument of the wrong type, as `vjpmpi.scatter` does.
+        ValueError: for a `root` outside the communicator, or on `root` a leading axis other
+            than the communicator's size, as `vjpmpi.scatter` does.
+        RuntimeError: when `token` is given (any value, None included), when MPI has been
+            finalized, or when called from inside a host callback.
+
+    Shape:
+        `(size, *s)` -> `s` on `root`; `s` -> `s` elsewhere.
+
+    Transpose:
+        gather onto `root` (mpi4jax has none).
     """
     _no_token("scatter", token)
     return _movement.scatter(x, root, comm=comm)
@@ -106,8 +228,27 @@ def scatter(x, root, *, comm=None, token=NOTSET):
 def alltoall(x, *, comm=None, token=NOTSET):
     """Block `j` of `x` goes to rank `j`; block `i` of the result came from rank `i`.
 
-    Shape: `(size, *s)` -> `(size, *s)`.
-    Transpose: alltoall (mpi4jax has none).
+    Args:
+        x (ArrayLike): one block per rank along the leading axis.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+        token (object): not supported, as in mpi4jax 0.9: leave it out (any value raises).
+
+    Returns:
+        (jax.Array): The blocks received, in rank order.
+
+    Raises:
+        TypeError: for an argument of the wrong type, as `vjpmpi.alltoall` does.
+        ValueError: for a leading axis other than the communicator's size, as
+            `vjpmpi.alltoall` does.
+        RuntimeError: when `token` is given (any value, None included), when MPI has been
+            finalized, or when called from inside a host callback.
+
+    Shape:
+        `(size, *s)` -> `(size, *s)`.
+
+    Transpose:
+        alltoall (mpi4jax has none).
     """
     _no_token("alltoall", token)
     return _movement.alltoall(x, comm=comm)
@@ -116,18 +257,58 @@ def alltoall(x, *, comm=None, token=NOTSET):
 def scan(x, op, *, comm=None, token=NOTSET):
     """Inclusive prefix reduction over the ranks: rank `r` gets `x_0 op ... op x_r`.
 
-    Shape: `s` -> `s`.
-    Transpose (SUM): the inclusive suffix sum (mpi4jax has none).
+    Args:
+        x (ArrayLike): this rank's contribution, any shape.
+        op (MPI.Op | str): the reduction, as in `allreduce`.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+        token (object): not supported, as in mpi4jax 0.9: leave it out (any value raises).
+
+    Returns:
+        (jax.Array): On rank `r`, the reduction of the `x` of ranks `0..r`.
+
+    Raises:
+        TypeError: for an argument of the wrong type, as `vjpmpi.scan` does.
+        ValueError: for an unknown `op` or a freed `comm`, as `vjpmpi.scan` does.
+        RuntimeError: when `token` is given (any value, None included), when MPI has been
+            finalized, or when called from inside a host callback.
+
+    Shape:
+        `s` -> `s`.
+
+    Transpose:
+        (SUM) the inclusive suffix sum (mpi4jax has none).
     """
     _no_token("scan", token)
     return _reductions.scan(x, op, comm=comm)
 
 
 def send(x, dest, *, tag=0, comm=None, token=NOTSET):
-    """Send `x` to rank `dest`. Returns an empty list, as mpi4jax does.
+    """Send `x` to rank `dest`.
 
-    Shape: `s` -> nothing.
-    Transpose: recv from `dest` (mpi4jax has none).
+    Args:
+        x (ArrayLike): the array to send.
+        dest (int): the receiving rank.
+        tag (int): the message tag.
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+        token (object): not supported, as in mpi4jax 0.9: leave it out (any value raises).
+
+    Returns:
+        (list): An empty list, as mpi4jax returns.
+
+    Raises:
+        TypeError: for an argument of the wrong type, as `vjpmpi.send` does.
+        ValueError: for a `dest` outside the communicator or a `tag` out of range, as
+            `vjpmpi.send` does.
+        RuntimeError: when `token` is given (any value, None included), when MPI has been
+            finalized, or when called from inside a host callback.
+
+    Shape:
+        `s` -> nothing.
+
+    Transpose:
+        recv from `dest` (mpi4jax has none).
     """
     _no_token("send", token)
     _p2p.send(x, dest, tag=tag, comm=comm)
@@ -137,8 +318,30 @@ def send(x, dest, *, tag=0, comm=None, token=NOTSET):
 def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None, token=NOTSET):
     """Receive an array shaped like the template `x` from `source`.
 
-    Shape: template `s` -> `s`.
-    Transpose: send to `source` (needs an explicit `source`; mpi4jax has none).
+    Args:
+        x (ArrayLike): a template of the shape and dtype to receive.
+        source (int): the sending rank, or `MPI.ANY_SOURCE` (the default).
+        tag (int): the tag to match, or `MPI.ANY_TAG` (the default).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+        status (MPI.Status | None): if given, filled on completion.
+        token (object): not supported, as in mpi4jax 0.9: leave it out (any value raises).
+
+    Returns:
+        (jax.Array): The array received, with `x`'s shape and dtype.
+
+    Raises:
+        TypeError: for an argument of the wrong type, as `vjpmpi.recv` does.
+        ValueError: for a `source` outside the communicator or a `tag` out of range, as
+            `vjpmpi.recv` does.
+        RuntimeError: when `token` is given (any value, None included), when MPI has been
+            finalized, or when called from inside a host callback.
+
+    Shape:
+        template `s` -> `s`.
+
+    Transpose:
+        send to `source` (needs an explicit `source`; mpi4jax has none).
     """
     _no_token("recv", token)
     return _p2p.recv(x, source, tag=tag, comm=comm, status=status)
@@ -148,9 +351,35 @@ def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, 
              status=None, token=NOTSET):
     """Send `sendbuf` to `dest` and receive an array shaped like `recvbuf` from `source`.
 
-    Shape: `sendbuf` any, template `recvbuf` `t` -> `t`.
-    Transpose: sendrecv with `source` and `dest` swapped, as in mpi4jax (the cotangent
-    goes back to the sender); `jax.jvp` and `vmap` work too (not in mpi4jax).
+    Args:
+        sendbuf (ArrayLike): the array to send.
+        recvbuf (ArrayLike): a template of the shape and dtype to receive (the same dtype
+            as `sendbuf`).
+        source (int): the sending rank.
+        dest (int): the receiving rank.
+        sendtag (int): the tag of the message sent.
+        recvtag (int): the tag to match, or `MPI.ANY_TAG` (the default).
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+        status (MPI.Status | None): if given, filled on completion.
+        token (object): not supported, as in mpi4jax 0.9: leave it out (any value raises).
+
+    Returns:
+        (jax.Array): The array received, with `recvbuf`'s shape and dtype.
+
+    Raises:
+        TypeError: for an argument of the wrong type, as `vjpmpi.sendrecv` does.
+        ValueError: for a `source` or `dest` outside the communicator or a tag out of range,
+            as `vjpmpi.sendrecv` does.
+        RuntimeError: when `token` is given (any value, None included), when MPI has been
+            finalized, or when called from inside a host callback.
+
+    Shape:
+        `sendbuf` any, template `recvbuf` `t` -> `t`.
+
+    Transpose:
+        sendrecv with `source` and `dest` swapped, as in mpi4jax (the cotangent goes back
+        to the sender); `jax.jvp` and `vmap` work too (not in mpi4jax).
     """
     _no_token("sendrecv", token)
     return _p2p.sendrecv(sendbuf, recvbuf, source, dest, sendtag=sendtag, recvtag=recvtag,
@@ -158,17 +387,40 @@ def sendrecv(sendbuf, recvbuf, source, dest, *, sendtag=0, recvtag=MPI.ANY_TAG, 
 
 
 def barrier(*, comm=None, token=NOTSET):
-    """Wait until every rank of `comm` has reached it. Returns an empty list, as mpi4jax does."""
+    """Wait until every rank of `comm` has reached it.
+
+    Args:
+        comm (MPI.Intracomm | None): the communicator (None: vjpmpi's private duplicate of
+            COMM_WORLD).
+        token (object): not supported, as in mpi4jax 0.9: leave it out (any value raises).
+
+    Returns:
+        (list): An empty list, as mpi4jax returns.
+
+    Raises:
+        TypeError: for an argument of the wrong type, as `vjpmpi.barrier` does.
+        ValueError: for a freed `comm`, as `vjpmpi.barrier` does.
+        RuntimeError: when `token` is given (any value, None included), when MPI has been
+            finalized, or when called from inside a host callback.
+    """
     _no_token("barrier", token)
     _sync.barrier(comm=comm)
     return []
 
 
 def has_cuda_support() -> bool:
-    """Whether vjpmpi was built with its CUDA backend (collectives on GPU buffers)."""
+    """Whether vjpmpi was built with its CUDA backend (collectives on GPU buffers).
+
+    Returns:
+        (bool): True where the CUDA backend is built.
+    """
     return _kernels.cuda is not None
 
 
 def has_sycl_support() -> bool:
-    """Always False: vjpmpi has no SYCL (Intel GPU) backend."""
+    """Always False: vjpmpi has no SYCL (Intel GPU) backend.
+
+    Returns:
+        (bool): False.
+    """
     return False

@@ -50,7 +50,7 @@ class ParallelMultiheadAttention(eqx.Module):
         num_heads (int): the number of heads (all ranks together), divisible by the
             communicator's size.
         query_size (int): the query's feature size.
-        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | None): the communicator
             the heads are split over (None: vjpmpi's private duplicate of COMM_WORLD; a
             `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the ranks).
         key (jax.random.PRNGKey | None): the initialisation key, the same on every rank
@@ -120,7 +120,7 @@ class ParallelMultiheadAttention(eqx.Module):
 
         Args:
             layer (eqx.nn.MultiheadAttention): the whole layer, the same on every rank.
-            comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the
+            comm (MPI.Intracomm | vjpmpi.DeviceComm | None): the
                 communicator (None: vjpmpi's private duplicate of COMM_WORLD; a
                 `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the
                 ranks).

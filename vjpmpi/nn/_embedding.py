@@ -31,7 +31,7 @@ class VocabParallelEmbedding(eqx.Module):
         num_embeddings (int): the vocabulary's size (all ranks together), divisible by
             the communicator's size.
         embedding_size (int): the size of each embedding vector.
-        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | None): the communicator
             the vocabulary is split over (None: vjpmpi's private duplicate of COMM_WORLD; a
             `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the ranks).
         key (jax.random.PRNGKey | None): the initialisation key, the same on every rank
@@ -82,7 +82,7 @@ class VocabParallelEmbedding(eqx.Module):
 
         Args:
             layer (eqx.nn.Embedding): the whole table, the same on every rank.
-            comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the
+            comm (MPI.Intracomm | vjpmpi.DeviceComm | None): the
                 communicator (None: vjpmpi's private duplicate of COMM_WORLD; a
                 `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the
                 ranks).

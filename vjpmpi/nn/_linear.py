@@ -62,7 +62,7 @@ class _ShardedLinear(eqx.Module):
 
         Args:
             layer (eqx.nn.Linear): the whole layer, the same on every rank.
-            comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the
+            comm (MPI.Intracomm | vjpmpi.DeviceComm | None): the
                 communicator (None: vjpmpi's private duplicate of COMM_WORLD; a
                 `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the
                 ranks).
@@ -124,7 +124,7 @@ class ColumnParallelLinear(_ShardedLinear):
         use_bias (bool): whether the layer has a bias (split with the output features).
         gather_output (bool): return the whole replicated output (False: this rank's
             block of it).
-        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | None): the communicator
             the weight is split over (None: vjpmpi's private duplicate of COMM_WORLD; a
             `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the ranks).
         key (jax.random.PRNGKey | None): the initialisation key, the same on every rank
@@ -233,7 +233,7 @@ class RowParallelLinear(_ShardedLinear):
         use_bias (bool): whether the layer has a bias (replicated).
         input_is_parallel (bool): the input is this rank's block of the features (True),
             or the whole replicated input, which the layer splits on entry (False).
-        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | None): the communicator
             the weight is split over (None: vjpmpi's private duplicate of COMM_WORLD; a
             `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the ranks).
         key (jax.random.PRNGKey | None): the initialisation key, the same on every rank

@@ -26,7 +26,7 @@ def vocab_parallel_cross_entropy(logits_shard: Float[Array, "... vocab_block"],
         logits_shard (Array): this rank's block of the logits, `(..., vocab // size)`.
         labels (Array): integer labels `(...)`, ids in the whole vocabulary, the same on
             every rank.
-        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | None): the communicator
             the vocabulary is split over (None: vjpmpi's private duplicate of COMM_WORLD; a
             `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the ranks).
 

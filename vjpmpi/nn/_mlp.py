@@ -14,6 +14,7 @@ from .._mpi import SUM, CommRef, as_comm
 from .._reductions import allreduce
 from .._replicated import use_replicated
 from ._linear import ColumnParallelLinear, RowParallelLinear
+from ._layout import finish, sync_steps
 from ._sequence import gather_sequence, replicated, scatter_sequence_sum
 from ._shard import (agree_on_buckets, bucket_bytes_arg, buckets, comm_ref, concat, dtype_groups,
                      own, split_into)
@@ -59,7 +60,7 @@ class ParallelMLP(eqx.Module):
             identity), a plain function.
         use_bias (bool): whether the hidden layers have biases.
         use_final_bias (bool): whether the last layer has a bias.
-        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | None): the communicator
             the hidden units are split over (None: vjpmpi's private duplicate of COMM_WORLD;
             a `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the
             ranks).
@@ -153,7 +154,7 @@ class ParallelMLP(eqx.Module):
 
         Args:
             mlp (eqx.nn.MLP): the whole MLP, the same on every rank.
-            comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the
+            comm (MPI.Intracomm | vjpmpi.DeviceComm | None): the
                 communicator (None: vjpmpi's private duplicate of COMM_WORLD; a
                 `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the
                 ranks).
@@ -251,11 +252,31 @@ class ParallelMLP(eqx.Module):
 
 
 def allreduce_gradients(grads: PyTree, *, mean: bool = True, bucket_bytes: int | None = None,
-                        comm: MPI.Comm | None = None) -> PyTree:
-    """All-reduce (mean or sum) every inexact-array leaf of `grads` over `comm`.
+                        comm: MPI.Comm | None = None, layout: PyTree | None = None) -> PyTree:
+    """All-reduce (mean or sum) the gradients `grads` over the data-parallel `comm`.
 
-    Leaves of one dtype are flattened into one buffer, so a pytree of any number of
-    leaves costs one MPI call per dtype; with `bucket_bytes`, one call per run of at
+    Where each parameter lives comes from the `vjpmpi.nn` layers in `grads` (gradients
+    from `eqx.filter_grad` keep them; `vjpmpi.nn.layout`), or from `layout`:
+    - a replicated leaf (every rank holds the whole parameter) is summed over `comm`;
+    - a leaf split over the very ranks of `comm` (a tensor-parallel layer over them, an
+      `ExpertParallelMoE`'s experts) is not summed with other ranks' other blocks: its
+      gradient is complete on its rank. An expert's, which holds every rank's tokens'
+      part, is divided by the size for the mean; a tensor-parallel block's, the gradient
+      of the one loss its ranks share, is kept as it is (multiplied by the size for the
+      sum);
+    - a leaf split over a part of `comm` (a tensor group inside a data x tensor grid) is
+      summed over the ranks holding the same block (one allreduce of a stack of the
+      blocks: pass the data-parallel communicator instead to move less);
+    - a leaf split across `comm` (each rank of `comm` in another tensor group, holding
+      the same block) is summed as a replicated one; the ranks' agreement checks, when
+      the program runs, that every rank of `comm` holds the same block.
+    The result is then the gradient of the mean (or sum) of the ranks' losses, as one
+    process computes it on the whole batch. A leaf it cannot sync (experts summed over
+    ranks outside their group, a communicator that shares only some ranks with the
+    leaf's) is an error on every rank naming the leaf and its layer.
+
+    Leaves summed alike of one dtype are flattened into one buffer, so a pytree of any
+    number of leaves costs one MPI call per dtype; with `bucket_bytes`, one call per run of at
     most that many bytes, the last leaves first (inside a jitted step, each starts as
     soon as the backward pass has produced its leaves: see `sync_gradients`). The
     result is the same bit for bit either way (where MPI's sum does not depend on the
@@ -275,35 +296,58 @@ def allreduce_gradients(grads: PyTree, *, mean: bool = True, bucket_bytes: int |
         mean (bool): divide the sum by the communicator's size.
         bucket_bytes (int | None): one allreduce per run of at most this many bytes
             (None: one per dtype); the same on every rank.
-        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
-            (None: vjpmpi's private duplicate of COMM_WORLD; a `vjpmpi.device_comm` inside a
-            `jax.shard_map` body: its devices are the ranks).
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | None): the
+            data-parallel communicator (None: vjpmpi's private duplicate of COMM_WORLD; a
+            `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the ranks).
+        layout (PyTree | None): where each parameter lives, `vjpmpi.nn.layout(model)`, for
+            gradients that have lost the model's layers (None: read from `grads`).
 
     Returns:
-        `grads` with every inexact-array leaf reduced (summed, or averaged with `mean`)
-            over the ranks: the same on every rank.
+        `grads` with every inexact-array leaf synced as above: the replicated leaves the
+            same on every rank.
 
     Raises:
-        ValueError: a `bucket_bytes` that is not a positive int or None.
+        ValueError: a `bucket_bytes` that is not a positive int or None; a `layout` of
+            another structure; on a one-rank `comm`, a leaf it cannot sync (naming it).
         TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
             or None.
         jax.errors.JaxRuntimeError: when run, on every rank, where the ranks'
-            `bucket_bytes` differ (saying so).
+            `bucket_bytes` differ (saying so), a leaf it cannot sync (naming the leaf and
+            its layer), or ranks of `comm` that hold different blocks of a leaf split
+            across them.
 
     Shape:
         the pytree -> the same pytree.
 
     Transpose:
         allreduce(SUM) (scaled by 1/size for the mean).
+
+    Example:
+        ```python
+        import jax, jax.numpy as jnp
+        from mpi4py import MPI
+        import vjpmpi.nn as vnn
+
+        # a tensor-parallel layer over every rank, the same input everywhere
+        col = vnn.ColumnParallelLinear(3, 2 * MPI.COMM_WORLD.size, key=jax.random.PRNGKey(0))
+        x = jnp.arange(3.0)
+        grads = jax.grad(lambda m: jnp.sum(jnp.tanh(m(x))))(col)
+        synced = vnn.allreduce_gradients(grads)  # each rank's block: its own, complete
+        assert jnp.allclose(synced.weight, grads.weight)
+        ```
     """
     ref = as_comm(comm, "nn.allreduce_gradients")
     cap = bucket_bytes_arg(bucket_bytes, "allreduce_gradients")
+    steps = sync_steps(grads, ref, "allreduce_gradients", layout)
     agree_on_buckets(ref, cap, "allreduce_gradients")
-    leaves, treedef, groups = dtype_groups(grads)
+    leaves, treedef, groups = dtype_groups(grads, steps)
     out = list(leaves)
     for bucket in buckets(leaves, groups, cap):
         total = allreduce(concat(leaves, bucket), SUM, comm=ref)
         split_into(out, leaves, bucket, total / ref.size if mean else total)
+    for i, step in enumerate(steps):
+        if step is not None and step.kind != "sum":
+            out[i] = finish(step, leaves[i], ref, mean)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -325,8 +369,25 @@ def _bucket_sync(comm, size: int, mean: bool):
     return sync
 
 
+def _leaf_sync(step, comm, mean: bool):
+    """The identity, whose derivative is a split leaf's sync (`finish`)."""
+
+    @jax.custom_vjp
+    def sync(leaf):
+        return leaf
+
+    def fwd(leaf):
+        return leaf, None
+
+    def bwd(_, ct):
+        return (finish(step, ct, comm, mean),)
+
+    sync.defvjp(fwd, bwd)
+    return sync
+
+
 def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None = 25 << 20,
-                   comm: MPI.Comm | None = None) -> PyTree:
+                   comm: MPI.Comm | None = None, layout: PyTree | None = None) -> PyTree:
     """`model` unchanged, whose gradient comes back all-reduced over `comm` (mean or sum).
 
     The allreduce runs bucket by bucket inside the backward pass: data-parallel training
@@ -341,7 +402,9 @@ def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None
     produced its gradients, in the same order on every rank; a bucket of at least the
     asynchronous threshold (by default 64 KiB on a communicator across nodes:
     vjpmpi.async_threshold) travels while the backward pass goes on. The gradient
-    equals `allreduce_gradients` of the local gradient, bit for bit.
+    equals `allreduce_gradients` of the local gradient, bit for bit: split parameters
+    (tensor-parallel blocks, experts) are synced as `allreduce_gradients` says, from the
+    layers in `model` (`vjpmpi.nn.layout`) or `layout`.
 
     On a device communicator (`vjpmpi.device_comm`) each device is a rank: give each its
     own copy of the parameters (passed to the `jax.shard_map` split over the mesh axis, as
@@ -356,20 +419,25 @@ def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None
         mean (bool): divide the gradient's sum by the communicator's size.
         bucket_bytes (int | None): the most bytes of one bucket (None: one per dtype);
             the same on every rank.
-        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
-            (None: vjpmpi's private duplicate of COMM_WORLD; a `vjpmpi.device_comm` inside a
-            `jax.shard_map` body: its devices are the ranks).
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | None): the
+            data-parallel communicator (None: vjpmpi's private duplicate of COMM_WORLD; a
+            `vjpmpi.device_comm` inside a `jax.shard_map` body: its devices are the ranks).
+        layout (PyTree | None): where each parameter lives, `vjpmpi.nn.layout(model)`, for
+            a `model` that has lost its layers (None: read from `model`).
 
     Returns:
         `model` unchanged (the same leaves' values), with the gradient sync on its
             derivative.
 
     Raises:
-        ValueError: a `bucket_bytes` that is not a positive int or None.
+        ValueError: a `bucket_bytes` that is not a positive int or None; a `layout` of
+            another structure; on a one-rank `comm`, a leaf it cannot sync (naming it).
         TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
             or None.
         jax.errors.JaxRuntimeError: when run, on every rank, where the ranks'
-            `bucket_bytes` differ (saying so).
+            `bucket_bytes` differ (saying so), a leaf it cannot sync (naming the leaf and
+            its layer), or ranks of `comm` that hold different blocks of a leaf split
+            across them.
 
     Shape:
         the identity on the pytree.
@@ -396,9 +464,13 @@ def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None
     """
     ref = as_comm(comm, "nn.sync_gradients")
     cap = bucket_bytes_arg(bucket_bytes, "sync_gradients")
+    steps = sync_steps(model, ref, "sync_gradients", layout)
     agree_on_buckets(ref, cap, "sync_gradients")
-    leaves, treedef, groups = dtype_groups(model)
+    leaves, treedef, groups = dtype_groups(model, steps)
     out = list(leaves)
+    for i, step in enumerate(steps):  # (split leaves: after the buckets, backward)
+        if step is not None and step.kind != "sum":
+            out[i] = _leaf_sync(step, ref, mean)(leaves[i])
     sync = _bucket_sync(ref, ref.size, mean)
     # applied in reverse: the backward pass runs the transposes in reverse, so it
     # reduces the bucket of the last leaf first, in allreduce_gradients' order

@@ -14,8 +14,7 @@ from mpi4py import MPI
 
 from .._mpi import SUM, CommRef
 from .._movement import allgather
-from .._reductions import exscan
-from .._replicated import sum_replicated
+from .._reductions import allreduce, exscan
 from .._ragged import ragged_alltoall
 from ._shard import comm_ref
 
@@ -37,11 +36,15 @@ class ExpertParallelMoE(eqx.Module):
     batch (every rank's tokens: `f_e` the fraction of assignments to expert `e`, `P_e` its
     mean router probability), the same value on every rank.
 
-    Gradients: the experts' are complete on their rank (every rank's tokens come back
-    through the exchanges' transposes); the router's are this rank's part: sum them over
-    the ranks (`allreduce_gradients`, `sharded_optimizer`), as for any replicated weight.
-    The loss of the auxiliary term counts once in that sum (its sums over ranks are
-    `sum_replicated`).
+    Gradients (exact adjoints, of the sum of every rank's loss): the experts' hold every
+    rank's tokens' part already (they come back through the exchanges' transposes), the
+    router's only this rank's. `allreduce_gradients`, `sync_gradients` and
+    `sharded_optimizer` know this from `vjpmpi.nn.layout`: they sum the router's over the
+    ranks and leave the experts' as they are (divided by the size for the mean), so that
+    the result is the gradient of the ranks' mean loss, the same as one process's. Each
+    rank adds the same `aux` to its loss: its gradient counts once in that mean, with no
+    scaling by hand (its sums over the ranks are `allreduce`s, whose transposes sum every
+    rank's cotangent).
 
     Args:
         in_size (int): the tokens' width.
@@ -53,7 +56,7 @@ class ExpertParallelMoE(eqx.Module):
             `ceil(capacity_factor * tokens * top_k / num_experts)` rows from each rank
             (the first in token order), the others dropped (no output from it).
         dropout (float): dropout rate on the experts' outputs (with `key=` in the call).
-        comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator the experts are
+        comm (MPI.Intracomm | None): the communicator the experts are
             split over (None: vjpmpi's private duplicate of COMM_WORLD).
         key (jax.random.PRNGKey | None): one key, the same on every rank: every rank
             draws the whole layer and keeps its experts (the one-process layer from the
@@ -128,7 +131,7 @@ class ExpertParallelMoE(eqx.Module):
         Args:
             dense (ExpertParallelMoE): the whole layer, on a one-rank communicator, the
                 same on every rank.
-            comm (MPI.Intracomm | vjpmpi's CommRef | None): the communicator (None:
+            comm (MPI.Intracomm | None): the communicator (None:
                 vjpmpi's private duplicate of COMM_WORLD).
 
         Returns:
@@ -197,11 +200,12 @@ class ExpertParallelMoE(eqx.Module):
             cap = math.ceil(self.capacity_factor * n_tok * k / e)
             place = jnp.sum((jnp.cumsum(chosen, axis=0) - chosen) * chosen, axis=1)
             keep = place < cap
-        # load balancing over the global batch (sums over the ranks, counted once)
-        stats = sum_replicated(jnp.concatenate([
+        # load balancing over the global batch: sums over the ranks whose transpose sums
+        # every rank's cotangent (each rank's loss holds the same aux)
+        stats = allreduce(jnp.concatenate([
             jnp.sum(probs, axis=0),
             jax.lax.stop_gradient(jnp.sum(chosen, axis=0).astype(probs.dtype)),
-            jnp.full((1,), n_tok, probs.dtype)]), comm=comm)
+            jnp.full((1,), n_tok, probs.dtype)]), SUM, comm=comm)
         total = stats[-1]
         aux = e * jnp.sum(stats[e:2 * e] / (total * k) * stats[:e] / total)
         # dispatch: rows sorted by expert (dropped ones last), one slice per expert

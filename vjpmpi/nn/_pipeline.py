@@ -391,7 +391,7 @@ def pipeline_value_and_grad(stage: Callable, loss: Callable, inputs: PyTree, tar
             point), or a sequence of one per boundary.
         key (jax.random.PRNGKey | None): dropout key; micro-batch `i` runs with
             `jax.random.fold_in(key, i)`.
-        comm (MPI.Intracomm | vjpmpi's CommRef | None): the pipeline's communicator, one
+        comm (MPI.Intracomm | None): the pipeline's communicator, one
             rank per stage (None: vjpmpi's private duplicate of COMM_WORLD).
 
     Returns:

@@ -22,7 +22,7 @@ def gather_sequence(x: Float[Array, "seq_block ..."], comm=None) -> Float[Array,
     Args:
         x (Array): this rank's block of the sequence, `(seq // size, ...)`, the same
             shape and dtype on every rank.
-        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | None): the communicator
             (None: vjpmpi's private duplicate of COMM_WORLD; a `vjpmpi.device_comm` inside a
             `jax.shard_map` body: its devices are the ranks).
 
@@ -68,7 +68,7 @@ def scatter_sequence_sum(x: Float[Array, "seq ..."], comm=None) -> Float[Array, 
     Args:
         x (Array): this rank's term, `(seq, ...)`, `seq` divisible by the
             communicator's size; the same shape and dtype on every rank.
-        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | None): the communicator
             (None: vjpmpi's private duplicate of COMM_WORLD; a `vjpmpi.device_comm` inside a
             `jax.shard_map` body: its devices are the ranks).
 
@@ -102,7 +102,7 @@ def replicated(module, comm=None):
 
     Args:
         module (PyTree): a pytree (an `eqx.Module`), the same on every rank.
-        comm (MPI.Intracomm | vjpmpi.DeviceComm | vjpmpi's CommRef | None): the communicator
+        comm (MPI.Intracomm | vjpmpi.DeviceComm | None): the communicator
             (None: vjpmpi's private duplicate of COMM_WORLD; a `vjpmpi.device_comm` inside a
             `jax.shard_map` body: its devices are the ranks).
 

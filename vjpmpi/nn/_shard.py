@@ -73,12 +73,14 @@ def gather_blocks(x, ref: CommRef, axis: int):
     return jnp.concatenate(list(stacked), axis=axis)
 
 
-def dtype_groups(tree):
-    """(leaves, treedef, {dtype name: positions of the inexact-array leaves})."""
+def dtype_groups(tree, steps=None):
+    """(leaves, treedef, {dtype name: positions of the inexact-array leaves}); with
+    `steps` (a sync's plan, aligned with the leaves), those it sums only."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     groups: dict[str, list[int]] = {}
     for i, leaf in enumerate(leaves):
-        if eqx.is_inexact_array(leaf):
+        if eqx.is_inexact_array(leaf) and (steps is None or (steps[i] is not None
+                                                     and steps[i].kind == "sum")):
             groups.setdefault(jnp.result_type(leaf).name, []).append(i)
     return leaves, treedef, groups
 
