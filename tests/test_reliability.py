@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from _mpirun import RANK_ENV, Job, mpirun
+from _mpirun import RANK_ENV, Job, mpirun, network_env
 
 HEADER = """
 import sys, time
@@ -462,6 +462,27 @@ def test_timeout_names_the_stuck_call_and_aborts(tmp_path, nprocs):
         run.describe()
     assert took < 60, f"job took {took:.1f} s to end"
     print(f"timeout 3 s at {nprocs} ranks: job ended after {took:.1f} s")
+
+
+# A limit too large for int64 nanoseconds past now (inf; 1e10 s, about 317 years) is no
+# limit: its deadline once overflowed into the past, and where the ranks' agreement
+# waits for MPI to complete a read (no shared memory: MPIR_CVAR_NOLOCAL=1) the job ended
+# at its first collective, "has waited 0.0 s". The same with the warning's limit.
+@pytest.mark.parametrize("nprocs,limit", [(2, "inf"), (3, "1e10")])
+def test_timeout_past_int64_nanoseconds_is_no_limit(tmp_path, nprocs, limit):
+    run, took = run_script(tmp_path, """
+        x = jnp.arange(1000, dtype=jnp.float32)
+        f = jax.jit(lambda v: vjpmpi.allreduce(v, MPI.SUM))
+        g = jax.jit(lambda v: vjpmpi.bcast(v + 1, 0))
+        for _ in range(3):
+            assert (np.asarray(f(x)) == MPI.COMM_WORLD.size * np.asarray(x)).all()
+            assert (np.asarray(g(x)) == np.asarray(x) + 1).all()
+        say(f"rank {rank} OK")
+    """, nprocs=nprocs, timeout=120,
+        env={**network_env(), "VJPMPI_TIMEOUT": limit, "VJPMPI_WARN_AFTER": limit})
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert len(report(run, " OK")) == nprocs and "timeout" not in run.output, run.describe()
+    print(f"VJPMPI_TIMEOUT={limit} at {nprocs} ranks over the network module: {took:.1f} s")
 
 
 # Calls the watchdog must see among others, each stuck in a receive that never ends:

@@ -103,56 +103,78 @@ if cuda is not None:
 STATUS_SIZE = cpu.status_size
 
 
-def _env_timeout() -> float:
-    raw = os.environ.get("VJPMPI_TIMEOUT", "").strip()
-    if not raw:
-        return 0.0
+# The environment's settings (read once, at import; docs/guides/troubleshooting.md lists
+# them). Each invalid value is a ValueError naming the variable, the value and the words
+# the variable takes.
+ON_WORDS, OFF_WORDS = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+
+
+def _env_error(name: str, raw: str, takes: str) -> ValueError:
+    return ValueError(f"{name}={raw!r} is not a valid setting: {name} takes {takes} "
+                      "(read when vjpmpi is imported)")
+
+
+def _env_switch(name: str, default, extra: tuple[str, ...] = ()):
+    """An on/off variable: 1/on/true/yes is True, 0/off/false/no False (any case, spaces
+    stripped), unset or empty `default`; `extra`: other words it takes, returned as they
+    are (lower case)."""
+    raw = os.environ.get(name, "")
+    word = raw.strip().lower()
+    if not word:
+        return default
+    if word in ON_WORDS:
+        return True
+    if word in OFF_WORDS:
+        return False
+    if word in extra:
+        return word
+    takes = "/".join(ON_WORDS) + " (on) or " + "/".join(OFF_WORDS) + " (off)"
+    raise _env_error(name, raw, (", ".join(extra) + ", " if extra else "") + takes)
+
+
+def _env_number(name: str, takes: str, minimum: float, strict: bool,
+                words: dict | None = None, kind=float):
+    """A numeric variable (unset or empty: None): a `kind` above `minimum` (at least it,
+    unless `strict`), or one of `words` (lower case; the value it stands for)."""
+    raw = os.environ.get(name, "")
+    word = raw.strip().lower()
+    if not word:
+        return None
+    if words and word in words:
+        return words[word]
     try:
-        value = float(raw)
+        value = kind(word)
     except ValueError:
-        raise ValueError(f"VJPMPI_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    if not value > 0:
-        raise ValueError(f"VJPMPI_TIMEOUT must be positive, got {raw!r}")
+        raise _env_error(name, raw, takes) from None
+    if not (value > minimum if strict else value >= minimum):
+        raise _env_error(name, raw, takes)
     return value
+
+
+def _env_timeout() -> float:
+    value = _env_number("VJPMPI_TIMEOUT", "a number of seconds > 0 (inf: no limit)", 0,
+                        strict=True)
+    return 0.0 if value is None else value
 
 
 WARN_AFTER_DEFAULT = 60.0  # (seconds; VJPMPI_WARN_AFTER)
 
 
 def _env_warn_after() -> float:
-    raw = os.environ.get("VJPMPI_WARN_AFTER", "").strip().lower()
-    if not raw:
-        return WARN_AFTER_DEFAULT
-    if raw in ("off", "never"):
-        return 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"VJPMPI_WARN_AFTER must be a number of seconds or 'off', got "
-                         f"{raw!r}") from None
-    if not value >= 0:
-        raise ValueError(f"VJPMPI_WARN_AFTER must not be negative, got {raw!r}")
-    return value
+    value = _env_number("VJPMPI_WARN_AFTER", "a number of seconds >= 0, or off/never (0: never)",
+                        0, strict=False, words={"off": 0.0, "never": 0.0})
+    return WARN_AFTER_DEFAULT if value is None else value
 
 
 AUTO_ASYNC_BYTES: int = cpu.auto_async_bytes  # the threshold "auto" sets across nodes
 
 
 def _env_async_bytes() -> int | str | None:
-    raw = os.environ.get("VJPMPI_ASYNC_BYTES", "").strip().lower()
-    if not raw or raw == "auto":
+    if not os.environ.get("VJPMPI_ASYNC_BYTES", "").strip():
         return "auto"
-    if raw in ("off", "never"):
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(
-            f"VJPMPI_ASYNC_BYTES must be a number of bytes, 'auto' or 'off', got {raw!r}"
-        ) from None
-    if value < 0:
-        raise ValueError(f"VJPMPI_ASYNC_BYTES must not be negative, got {raw!r}")
-    return value
+    return _env_number("VJPMPI_ASYNC_BYTES", "a number of bytes >= 0, auto, or off/never", 0,
+                       strict=False, words={"auto": "auto", "off": None, "never": None},
+                       kind=int)
 
 
 def _is_auto(nbytes) -> bool:  # (the string only: an array argument is not "auto")
@@ -217,19 +239,20 @@ def async_threshold(nbytes: int | str | None):
 # Diagnostics, read once at import (see docs/guides/troubleshooting.md): the opt-in
 # check and timeout, and the watchdog's warning about a call stuck past WARN_AFTER
 # seconds (on by default; 0: off).
-CHECK = os.environ.get("VJPMPI_CHECK", "").strip() not in ("", "0")
+CHECK: bool = _env_switch("VJPMPI_CHECK", False)
+cpu.set_tracing(_env_switch("VJPMPI_TRACE", False))
 TIMEOUT = _env_timeout()
 WARN_AFTER = _env_warn_after()
 cpu.configure(CHECK, TIMEOUT, WARN_AFTER)  # the one runtime: every backend's handlers
 
-# CUDA: "auto" (device pointers when MPI reports CUDA support), "0" (stage
-# through pinned host memory), "1" (require CUDA-aware MPI: an error at first use
-# if MPI does not report it, never a crash).
-CUDA_AWARE = os.environ.get("VJPMPI_CUDA_AWARE", "auto").strip().lower() or "auto"
-if CUDA_AWARE not in ("auto", "0", "1"):
-    raise ValueError(f"VJPMPI_CUDA_AWARE must be auto, 0 or 1, got {CUDA_AWARE!r}")
+# CUDA: "auto" (device pointers when MPI reports CUDA support), "0" (off: stage
+# through pinned host memory), "1" (on: require CUDA-aware MPI: where MPI does not
+# report it, every GPU collective fails with an error saying so, never a crash).
+CUDA_AWARE = {True: "1", False: "0", "auto": "auto"}[
+    _env_switch("VJPMPI_CUDA_AWARE", "auto", extra=("auto",))]
+CUDA_ERROR = ""  # (what every GPU collective reports when VJPMPI_CUDA_AWARE=1 cannot be met)
 if cuda is not None:
-    cuda.configure_cuda(CUDA_AWARE)
+    CUDA_ERROR = cuda.configure_cuda(CUDA_AWARE)
 
 
 def register_site(text: str) -> int:
@@ -239,7 +262,7 @@ def register_site(text: str) -> int:
 
 
 def trace_enabled() -> bool:
-    """Whether VJPMPI_TRACE=1 was set when the kernels were loaded."""
+    """Whether VJPMPI_TRACE was on when vjpmpi was imported."""
     return cpu.trace_enabled()
 
 
@@ -250,20 +273,36 @@ def call_counts() -> tuple[int, int]:
     return calls, overlaps
 
 
+def _cuda_mode_for(setting: str, aware: int) -> str:
+    """The mode of VJPMPI_CUDA_AWARE's `setting` ("auto", "0", "1") with an MPI whose CUDA
+    support query says `aware` (1 yes, 0 no, -1 it has no such query), as the CUDA backend
+    chooses it (csrc/cuda_module.cc, ConfigureCuda)."""
+    if setting == "0":
+        return "host-staged"
+    if aware == 1:
+        return "cuda-aware"
+    return "refused" if setting == "1" else "host-staged"
+
+
 def cuda_mode() -> str | None:
     """How vjpmpi's CUDA backend hands GPU buffers to MPI.
 
     Chosen at import from `VJPMPI_CUDA_AWARE`: `auto` (device pointers when MPI reports
-    CUDA support), `0` (stage through pinned host memory) or `1` (require CUDA-aware MPI).
+    CUDA support), off (`0`: stage through pinned host memory) or on (`1`: require
+    CUDA-aware MPI).
 
     Returns:
         (str | None): `"cuda-aware"` (device pointers go to MPI), `"host-staged"` (copied
-            through host memory), or None when vjpmpi was built without the CUDA backend.
+            through host memory), `"refused"` (`VJPMPI_CUDA_AWARE=1`, but this MPI does not
+            report CUDA support: every GPU collective fails with an error that says so),
+            or None when vjpmpi was built without the CUDA backend.
 
     Raises:
         Nothing: it reads the setting made at import.
     """
-    return None if cuda is None else cuda.cuda_mode()
+    if cuda is None:
+        return None
+    return _cuda_mode_for(CUDA_AWARE, cuda.cuda_aware_query())
 
 
 def take_trace() -> list[str]:

@@ -18,6 +18,8 @@ allgatherv, gatherv, scatterv).
   exchange (a row's width, the number of slices) fail together; a CUDA lowering is refused.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -350,6 +352,36 @@ def test_v_collectives_refuse_counts_past_capacity_or_negative():
     _refused(lambda: vjpmpi.scatterv(jnp.ones((2 * size, 1)), counts, root=0, capacity=1),
              match=r"vjpmpi.scatterv: rank 0 receives 2 rows in all, more than its capacity=1")
     y, k = vjpmpi.allgatherv(jnp.ones((2, 1)), 1, capacity=size)  # in step after them
+    np.testing.assert_array_equal(np.asarray(y), 1)
+
+
+def test_v_collectives_name_the_running_sum_past_the_rows_of_x():
+    """Counts that each fit x but whose running sum does not: the refusal names the sum
+    and its terms (it used to name the last count alone, "counts[1]=2 is more than the 3
+    rows"), the same text on every rank; the ranks go on in step."""
+    rows = 2 * size - 1  # (one row short of two each)
+    counts = np.full(size, 2)
+    last = size - 1
+    terms = " + ".join(["2"] * size)
+    if size == 1:
+        want = r"the root's \(rank 0\) counts\[0\]=2 is more than the 1 rows of the root's x"
+    else:
+        want = (rf"the root's \(rank 0\) counts sum to {2 * size} \(counts\[0\.\.{last}\] = "
+                rf"{re.escape(terms)}\), more than the {rows} rows of the root's x")
+    text = _refused(lambda: vjpmpi.scatterv(jnp.ones((rows, 1)), counts, root=0, capacity=2),
+                    match=r"vjpmpi\.scatterv: " + want)
+    assert len(set(WORLD.allgather(text[text.index("vjpmpi.scatterv"):].splitlines()[0]))) == 1
+    # alltoallv: only the last rank's send_counts overrun its x
+    k = np.full(size, 2) if rank == last else np.ones(size, np.int64)
+    if size == 1:
+        want = rf"rank 0's send_counts\[0\]=2 is more than the {rows} rows of rank 0's x"
+    else:
+        want = (rf"rank {last}'s send_counts sum to {2 * size} \(send_counts\[0\.\.{last}\] = "
+                rf"{re.escape(terms)}\), more than the {rows} rows of rank {last}'s x")
+    text = _refused(lambda: vjpmpi.alltoallv(jnp.ones((rows, 1)), k, capacity=2 * size),
+                    match=r"vjpmpi\.alltoallv: " + want)
+    assert len(set(WORLD.allgather(text[text.index("vjpmpi.alltoallv"):].splitlines()[0]))) == 1
+    y, _ = vjpmpi.allgatherv(jnp.ones((2, 1)), 1, capacity=size)  # in step after them
     np.testing.assert_array_equal(np.asarray(y), 1)
 
 

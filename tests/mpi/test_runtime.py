@@ -8,7 +8,6 @@
 """
 
 import ctypes
-import os
 from pathlib import Path
 
 import jax
@@ -137,7 +136,7 @@ def test_every_dtype_round_trips_allgather(name):
 
 
 def test_trace_flag_is_the_environments():
-    assert _kernels.trace_enabled() == (os.environ.get("VJPMPI_TRACE", "") not in ("", "0"))
+    assert _kernels.trace_enabled() == _kernels._env_switch("VJPMPI_TRACE", False)
 
 
 # ------------------------------------------------------ the call's attributes --

@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -240,6 +241,16 @@ double TimeLimit(const Runtime& rt) {
   double limit = rt.timeout_seconds.load();
   if (limit <= 0 && rt.check_enabled.load(std::memory_order_relaxed)) limit = 60.0;
   return limit;
+}
+
+// The deadline `limit` seconds after `start` (ns on NowNs's clock; 0: none). A limit
+// that int64 nanoseconds past `start` cannot hold (about 292 years, inf) is no deadline:
+// converting it would overflow into the past and end the job at once.
+int64_t DeadlineNs(int64_t start, double limit) {
+  if (!(limit > 0)) return 0;
+  const double ns = limit * 1e9;
+  if (!(ns < static_cast<double>(std::numeric_limits<int64_t>::max() - start))) return 0;
+  return start + static_cast<int64_t>(ns);
 }
 
 // What a call is, in messages: its call site's description, else its op and arrays.
@@ -517,7 +528,7 @@ std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine,
   bool check = rt.check_enabled.load(std::memory_order_relaxed);
   const double limit = TimeLimit(rt), warn = rt.warn_seconds.load();
   const int64_t start = NowNs();
-  const int64_t deadline = limit > 0 ? start + static_cast<int64_t>(limit * 1e9) : 0;
+  const int64_t deadline = DeadlineNs(start, limit);
   const int root = (mine.flags & kUsesRoot) ? mine.root : -1;
   int waiting = n - 1;
   int64_t nap_ns = 0, next_look = start + 100000000;

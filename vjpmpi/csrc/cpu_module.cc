@@ -126,7 +126,9 @@ void DefineRuntime(nb::module_& m) {
     return nb::make_tuple(owner, owner == thread ? std::string()
                                                  : ThreadError(thread, owner, id, e->size));
   });
-  m.def("trace_enabled", []() { return runtime.tracing; });
+  m.def("trace_enabled", []() { return runtime.tracing.load(); });
+  // set_tracing(on): VJPMPI_TRACE, as vjpmpi/_kernels.py reads it at import
+  m.def("set_tracing", [](bool on) { runtime.tracing.store(on); });
   // Returns and clears the recorded sequence of collectives.
   m.def("take_trace", []() {
     std::lock_guard<std::mutex> lock(runtime.trace_mutex);

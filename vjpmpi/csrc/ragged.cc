@@ -100,9 +100,29 @@ std::string PlanRagged(RaggedPlan& p, int root) {
                       ", send_sizes[" + std::to_string(i) + "]=" + std::to_string(k) +
                       ") ends past its operand's " + std::to_string(rows) + " rows");
         }
-        return fail(arg("", j, i) + "=" + std::to_string(k) + (p.form == kAlltoallv ? " (with the rows before it, " + std::to_string(a + k) + ")" : "") +
-                    " is more than the " + std::to_string(rows) + " rows of " +
-                    (p.form == kScatterv ? "the root's" : "rank " + std::to_string(j) + "'s") + " x");
+        const std::string of_x = " rows of " + (p.form == kScatterv ? std::string("the root's")
+                                                 : "rank " + std::to_string(j) + "'s") + " x";
+        if (a == 0) {
+          return fail(arg("", j, i) + "=" + std::to_string(k) + " is more than the " +
+                      std::to_string(rows) + of_x);
+        }
+        // Blocks back to back: a count that fits alone, past the rows with those before it.
+        // The message names the running sum (and its terms: the counts before it of its
+        // group, when they add up to its offset).
+        const std::string name = p.form == kScatterv
+                                      ? "the root's (rank " + std::to_string(root) + ") counts"
+                                      : "rank " + std::to_string(j) + "'s send_counts";
+        const std::string label = p.form == kScatterv ? "counts" : "send_counts";
+        std::string terms;
+        int64_t total = 0;
+        for (int q = 0; q <= i; ++q) {
+          if (group(q) != group(i)) continue;
+          total += p.count(j, q);
+          terms += (terms.empty() ? "" : " + ") + std::to_string(p.count(j, q));
+        }
+        return fail(name + " sum to " + std::to_string(a + k) + " (" + label + "[0.." +
+                    std::to_string(i / p.per) + "]" + (total == a + k ? " = " + terms : "") +
+                    "), more than the " + std::to_string(rows) + of_x);
       }
     }
   }

@@ -96,12 +96,9 @@ struct Runtime {
   // every collective under VJPMPI_CHECK): what the agreement costs, for the tests.
   std::atomic<int64_t> verified{0};
 
-  // Opt-in trace (VJPMPI_TRACE=1 when the CPU module is loaded): the sequence of
-  // collectives this process ran, to compare across ranks.
-  const bool tracing = [] {
-    const char* v = std::getenv("VJPMPI_TRACE");
-    return v != nullptr && v[0] != '\0' && v[0] != '0';
-  }();
+  // Opt-in trace (VJPMPI_TRACE, read at import by vjpmpi/_kernels.py: set_tracing): the
+  // sequence of collectives this process ran, to compare across ranks.
+  std::atomic<bool> tracing{false};
   std::mutex trace_mutex;
   std::vector<std::string> trace_log;
 

@@ -9,6 +9,7 @@ from typing import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 from jaxtyping import Array, Float, PRNGKeyArray
 from mpi4py import MPI
 
@@ -16,11 +17,42 @@ from .._mpi import SUM, CommRef
 from .._movement import allgather
 from .._reductions import allreduce, exscan
 from .._ragged import ragged_alltoall
+from .._sync import agree_on
 from ._shard import comm_ref
 
 
 def _exclusive(v, axis=-1):
     return jnp.cumsum(v, axis=axis) - v
+
+
+_NO_VMAP = ("vjpmpi.nn.ExpertParallelMoE: cannot be batched by jax.vmap (each batch element "
+            "would need its own exchanges and its own global load-balancing loss); call the "
+            "layer once per batch element, or fold the batch into the tokens "
+            "(x.reshape(-1, in_size)) if one routing and one aux over them all is meant")
+
+
+@custom_vmap
+def _refuse_vmap(arrays):
+    """The identity on `arrays`; under `jax.vmap` (batching any of them, with or without
+    `jax.jit` between) it raises the layer's refusal."""
+    return arrays
+
+
+@_refuse_vmap.def_vmap
+def _refuse_vmap_rule(axis_size, in_batched, arrays):
+    raise ValueError(_NO_VMAP)
+
+
+@jax.custom_jvp
+def _no_vmap(arrays):
+    """`_refuse_vmap`, differentiable to any order (custom_vmap has no reverse mode of its
+    own: the primal goes through it, the tangents around it)."""
+    return _refuse_vmap(arrays)
+
+
+@_no_vmap.defjvp
+def _no_vmap_jvp(primals, tangents):
+    return _no_vmap(primals[0]), tangents[0]
 
 
 class ExpertParallelMoE(eqx.Module):
@@ -70,7 +102,11 @@ class ExpertParallelMoE(eqx.Module):
         TypeError: `comm` is not an mpi4py intracommunicator or None.
 
     Shape:
-        this rank's `(tokens, in_size)` -> (`(tokens, in_size)`, aux `()`).
+        this rank's `(tokens, in_size)` -> (`(tokens, in_size)`, aux `()`). The ranks'
+        token counts may differ (`max_tokens=` in the call; zero too: that rank's output
+        is `(0, in_size)`); mixed dtypes of the tokens and the layer compute in JAX's
+        promoted dtype, as `eqx.nn.Linear` does (float32 tokens into a float64 layer:
+        float64 out).
 
     Transpose:
         the dispatch exchange's is the return exchange and the other way round.
@@ -165,7 +201,8 @@ class ExpertParallelMoE(eqx.Module):
                                  capacity_factor=self.capacity_factor, dropout=self.dropout,
                                  comm=MPI.COMM_SELF, dense=_Params(**whole))
 
-    def __call__(self, x: Float[Array, "tokens in"], *, key: PRNGKeyArray | None = None
+    def __call__(self, x: Float[Array, "tokens in"], *, key: PRNGKeyArray | None = None,
+                 max_tokens: int | None = None
                  ) -> tuple[Float[Array, "tokens in"], Float[Array, ""]]:
         """Route this rank's tokens to their experts and back.
 
@@ -175,22 +212,59 @@ class ExpertParallelMoE(eqx.Module):
                 token's mask is drawn from it and the token's place in the global batch,
                 so the one-process layer on every rank's tokens in rank order draws the
                 same); None: no dropout.
+            max_tokens (int | None): the most tokens any rank passes, the same on every
+                rank (a Python int: the buffer that receives rows for this rank's experts
+                holds `size * max_tokens * top_k`, every token of every rank could come
+                here); None: every rank passes as many tokens as this one (checked: ranks
+                with other counts fail together, naming `max_tokens`).
 
         Returns:
             `(y, aux)`: the layer's output for these tokens, `(tokens, in_size)`, and the
                 load-balancing loss, a scalar, the same on every rank.
 
         Raises:
-            ValueError: `x` is not of shape `(tokens, in_size)`.
+            ValueError: `x` is not of shape `(tokens, in_size)`, `max_tokens` is not None
+                or an int >= 0, or the call is batched by `jax.vmap` (each batch element
+                would need its own exchanges and aux: call the layer per element).
+            jax.errors.JaxRuntimeError: when it runs, on every rank, where the ranks'
+                token counts differ and `max_tokens` is None, a rank has more tokens than
+                `max_tokens`, or the ranks pass different `max_tokens` or dtypes (the
+                ranks' agreement, before any data moves; where a rank ran the same program
+                before, the job ends with that text instead).
         """
         comm, size, rank = self.comm, self.comm.size, self.comm.rank
         x = jnp.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.w1.shape[1]:
             raise ValueError(f"vjpmpi.nn.ExpertParallelMoE: x must have shape (tokens, "
                              f"{self.w1.shape[1]}), got {tuple(x.shape)}")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(
+                max_tokens, int) or max_tokens < 0):
+            raise ValueError(f"vjpmpi.nn.ExpertParallelMoE: max_tokens={max_tokens!r}: None or "
+                             "a Python int >= 0, the same on every rank")
         n_tok, k, e = x.shape[0], self.top_k, self.num_experts
         local = e // size
-        probs = jax.nn.softmax(x @ self.router.T, axis=-1)
+        # mixed dtypes: JAX's promotion, as eqx.nn.Linear's `weight @ x`
+        arrays = (x, self.router, self.w1, self.b1, self.w2, self.b2)
+        dt = jnp.result_type(*arrays)
+        x, router, w1, b1, w2, b2 = (a.astype(dt) for a in _no_vmap(arrays))
+        # the most rows any rank sends: one static bound, the same on every rank (checked
+        # here, before any data moves: a rank past it, or ranks of other views, fail on
+        # every rank)
+        bound = n_tok if max_tokens is None else max_tokens
+        if max_tokens is None:
+            note = (f"vjpmpi.nn.ExpertParallelMoE: {n_tok} tokens of dtype {dt} on this rank "
+                    f"({rank}), max_tokens=None: every rank must pass as many (uneven token "
+                    "counts need `max_tokens=`, the most any rank passes, on every rank)")
+            refused = None
+        else:
+            note = (f"vjpmpi.nn.ExpertParallelMoE: max_tokens={max_tokens}, dtype {dt} "
+                    f"({n_tok} tokens on this rank, {rank})")
+            refused = None if n_tok <= max_tokens else (
+                f"vjpmpi.nn.ExpertParallelMoE: rank {rank} passes {n_tok} tokens, more than "
+                f"max_tokens={max_tokens}")
+        agree_on((size, bound, x.shape[1]), dt, comm, "nn.ExpertParallelMoE", note=note,
+                 invalid=refused)
+        probs = jax.nn.softmax(x @ router.T, axis=-1)
         top_p, top_e = jax.lax.top_k(probs, k)
         gates = top_p if k == 1 else top_p / jnp.sum(top_p, axis=-1, keepdims=True)
         flat = top_e.reshape(-1)  # (token, slot) in token order
@@ -220,22 +294,27 @@ class ExpertParallelMoE(eqx.Module):
         totals = jnp.sum(every, axis=0)  # (e,)
         group_start = _exclusive(totals.reshape(size, local), axis=1).reshape(-1)
         before = _exclusive(every, axis=0)  # (size, e)
-        rows_in = size * n_tok * k
+        # every rank's rows could come here: each of the size ranks sends at most bound * k
+        # (at most local * its cap with a capacity factor, the cap from its own count)
+        rows_in = size * bound * k
         if self.capacity_factor is not None:
-            rows_in = min(rows_in, size * local * cap)
-        xs = x[order // k]
-        recv = ragged_alltoall(xs, jnp.zeros((rows_in, x.shape[1]), x.dtype),
+            rows_in = min(rows_in, size * local * math.ceil(self.capacity_factor * bound * k / e))
+        # (buffers of at least one row: a rank with no tokens sends and receives nothing)
+        n_rows = n_tok * k
+        xs = jnp.zeros((max(n_rows, 1), x.shape[1]), dt).at[:n_rows].set(x[order // k])
+        recv = ragged_alltoall(xs, jnp.zeros((max(rows_in, 1), x.shape[1]), dt),
                                _exclusive(counts), counts, group_start + before[rank],
                                mine.reshape(-1), comm=comm)
-        out = self._experts(recv, per_expert)
+        out = self._experts(recv, per_expert, (w1, b1, w2, b2))
         # back: this rank's rows of local expert e from rank j go to j's sorted rows
         theirs = _exclusive(every, axis=1)[:, rank * local:(rank + 1) * local]  # (size, local)
         back = ragged_alltoall(
-            out, jnp.zeros((n_tok * k, x.shape[1]), x.dtype),
+            out, jnp.zeros((max(n_rows, 1), x.shape[1]), dt),
             (start[None, :] + before[:, rank * local:(rank + 1) * local]).reshape(-1),
             mine.reshape(-1), theirs.reshape(-1),
             counts.reshape(size, local).reshape(-1), comm=comm)
-        rows = jnp.zeros_like(back).at[order].set(back).reshape(n_tok, k, -1)
+        back = back[:n_rows]
+        rows = jnp.zeros_like(back).at[order].set(back).reshape(n_tok, k, x.shape[1])
         if self.dropout and key is not None:
             offset = exscan(jnp.asarray(n_tok, jnp.int32), SUM, comm=comm)
             ids = offset + jnp.arange(n_tok, dtype=jnp.int32)
@@ -245,16 +324,17 @@ class ExpertParallelMoE(eqx.Module):
         gates = jnp.where(keep.reshape(n_tok, k), gates, 0.0)
         return jnp.einsum("tk,tkd->td", gates, rows), aux
 
-    def _experts(self, rows, per_expert):
-        """Each local expert's MLP on its rows (grouped, back to back from row 0); rows past
-        them are zeros."""
+    def _experts(self, rows, per_expert, params):
+        """Each local expert's MLP (`params`: w1, b1, w2, b2) on its rows (grouped, back to
+        back from row 0); rows past them are zeros."""
+        w1, b1, w2, b2 = params
         n = jnp.sum(per_expert)
         which = jnp.clip(jnp.searchsorted(jnp.cumsum(per_expert), jnp.arange(rows.shape[0]),
                                           side="right"), 0, per_expert.shape[0] - 1)
         valid = (jnp.arange(rows.shape[0]) < n)[:, None]
-        h = jax.lax.ragged_dot(rows, self.w1, per_expert) + self.b1[which]
+        h = jax.lax.ragged_dot(rows, w1, per_expert) + b1[which]
         h = jnp.where(valid, self.activation(h), 0.0)
-        out = jax.lax.ragged_dot(h, self.w2, per_expert) + self.b2[which]
+        out = jax.lax.ragged_dot(h, w2, per_expert) + b2[which]
         return jnp.where(valid, out, 0.0)
 
 
