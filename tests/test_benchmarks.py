@@ -62,7 +62,10 @@ def test_benchmark_suite_smoke(tmp_path):
     assert main["mpi4jax"] is not None or main["mpi4jax_why"]
     for part in (main, gloo):
         for path, value in numbers(part):
-            assert math.isfinite(value) and value >= 0, (path, value)
+            # (`agreement.window` is a difference of two timings, a first run's less the
+            # next one's: on a busy machine's tiny runs it can come out below zero)
+            assert math.isfinite(value) and (value >= 0 or path.endswith(".window")), (
+                path, value)
     # every latency size, every bandwidth op, every backward op was timed
     assert [r["elements"] for r in main["latency"]] == [1, 16, 256]
     assert {r["op"] for r in main["bandwidth"]} == {"allreduce", "bcast", "allgather", "alltoall"}
