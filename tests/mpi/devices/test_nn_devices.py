@@ -354,3 +354,38 @@ def test_errors_name_the_device_communicator_size():
                                          rf"size {N}"):
         per_device(lambda v: vnn.ColumnParallelLinear.from_dense(dense, comm=comm()).weight,
                    jnp.zeros((D, 1)))
+
+
+def test_split_leaves_synced_over_their_own_device_communicator():
+    """A tensor-parallel layer over the device communicator (every device a block), its
+    gradient synced over that same communicator (`vjpmpi.nn.layout`: split over the very
+    ranks synced over): each device's block is kept (mean) or times the size (sum), never
+    summed with the other devices' blocks; under JAX's default check_vma."""
+    dense = fresh(eqx.nn.Linear, 3, F, seed=21)
+    x = arr(22, 3)
+    k = F // N
+    w, b = np.asarray(dense.weight), np.asarray(dense.bias)
+    t = 1 - np.tanh(w @ x + b) ** 2  # d sum(tanh(Wx + b)) / d(Wx + b)
+    gw, gb = np.outer(t, x), t
+
+    def body(layer, x):
+        c = comm()
+        col = vnn.ColumnParallelLinear.from_dense(layer, c)
+        assert isinstance(vnn.layout(col).weight, vnn.Split)
+
+        def loss(m):
+            return jnp.sum(jnp.tanh(m(x)))
+
+        g = eqx.filter_grad(loss)(col)
+        return (g, vnn.allreduce_gradients(g, comm=c),
+                vnn.allreduce_gradients(g, mean=False, comm=c),
+                eqx.filter_grad(lambda m: loss(vnn.sync_gradients(m, comm=c)))(col))
+
+    local, mean, total, synced = per_device(body, shared=(dense, x))
+    for i, r in enumerate(RANKS):
+        rows = slice(r * k, (r + 1) * k)
+        close(local.weight[i], gw[rows])
+        for g in (mean, synced):
+            close(g.weight[i], gw[rows])
+            close(g.bias[i], gb[rows])
+        close(total.weight[i], N * gw[rows])
