@@ -2,12 +2,15 @@
 
     python benchmarks/run.py [--ranks 2] [--quick] [--gpu | --gpu-only] [--out benchmarks/results]
     python benchmarks/run.py --only devices [--rounds 3] [--max-bytes B] [--quick]
+    python benchmarks/run.py --only p2p [--quick]
 
 Runs the parts of `suite.py` under mpiexec (each with a timeout): main, gloo, check,
 net (shared memory off, every message over loopback TCP), ..., devices (2 processes x 2
 CPU devices, 4 x 1, and gloo at 2 x 2: jobs in turn, --rounds times) and, with --gpu,
 gpu; then writes OUT/results.md (tables, targets met or missed) and OUT/results.png.
-`--only devices` runs the devices part alone into OUT/devices.md, .json and .png.
+`--only devices` runs the devices part alone into OUT/devices.md, .json and .png;
+`--only p2p` the point-to-point part (2 ranks, shared memory and the network path) into
+OUT/p2p.md and .json.
 `--quick` uses tiny sizes and few repetitions, compiled at LLVM -O0 (the smoke test,
 which judges no figure); `--gpu-only` runs the
 GPU part alone (what tests/gpu/run_on_gpu.sh runs).
@@ -293,6 +296,8 @@ def report(m, g, g_why):
     text += pipeline_report(m.get("pipeline"), m.get("pipeline_why"))
     text += ragged_report(m.get("ragged"), m.get("ragged_why"), check)
     text += devices_report(m.get("devices"), m.get("devices_why"), check)
+    if "p2p" in m:  # (results written before the part existed have none)
+        text += p2p_report(m["p2p"] or {}, m.get("p2p_why") or {}, check)
     text += gpu_report(m.get("gpu"), m.get("gpu_why"))
     text += ["## Competitors", "",
              f"- mpi4py {m.get('mpi4py', '')}: buffer API on preallocated NumPy arrays (floor).",
@@ -708,6 +713,62 @@ def devices_plot(ax, d):
     below(ax)
 
 
+def run_p2p(quick, workdir):
+    """The point-to-point part on shared memory and on the network path (every message
+    over loopback TCP): {"shm": ..., "net": ...} and why a path failed."""
+    out, why = {}, {}
+    for path, env in (("shm", None), ("net", network_env())):
+        out[path], why[path] = run_part("p2p", 2, quick, 300 if quick else 1800, workdir,
+                                        env=env)
+    return out, why
+
+
+P2P_FORMS = (("swap", "sendrecv, two arrays swapped"), ("carry", "sendrecv(c, c), one array"),
+             ("started", "start/wait of the swapped sendrecv"), ("pingpong", "send + recv"))
+
+
+def p2p_report(p, why, check):
+    """The point-to-point tables (per message, on each path) and their targets."""
+    text = ["## Point-to-point (2 ranks, per message)", "",
+            "Each form is a jitted `fori_loop`; `swap` carries two arrays and exchanges them "
+            "in turn (each result takes its template's buffer, as the floor, mpi4py's "
+            "`Sendrecv` on two NumPy buffers, swaps them); `carry` carries one "
+            "(`c = sendrecv(c, c)`: XLA copies the result into the loop's carry, a copy "
+            "the floor does not make); `pingpong` is half "
+            "a round trip of `send` + `recv` against mpi4py's `Send` + `Recv`. Ratios are "
+            "medians of per-repetition ratios (each repetition times every case in turn).",
+            ""]
+    for path, title in (("shm", "shared memory"), ("net", "network path (loopback TCP)")):
+        part = p.get(path)
+        if part is None:
+            text += [f"### {title}: not run — {why.get(path)}", ""]
+            continue
+        m4j = part["mpi4jax"] is not None
+        head = ["message", "floor us", *[f"{k} us" for k, _ in P2P_FORMS],
+                *(["mpi4jax swap us", "mpi4jax carry us"] if m4j else [])]
+        rows = [[size_label(r["bytes"]), us(r["floor_sendrecv"]),
+                 *[us(r[k]) for k, _ in P2P_FORMS], *([us(r["m4j_swap"]), us(r["m4j_carry"])] if m4j else [])]
+                for r in part["rows"]]
+        text += [f"### {title}: times", "", table(head, rows), ""]
+        head = ["message", "swap / floor", "carry / floor", "started / floor",
+                "pingpong / floor", *(["swap / mpi4jax", "carry / mpi4jax",
+                                       "pingpong / mpi4jax"] if m4j else [])]
+        rows = [[size_label(r["bytes"]), *[f"{r[k + '_vs_floor']:.2f}" for k, _ in P2P_FORMS],
+                 *([f"{r[k + '_vs_mpi4jax']:.2f}" for k in ("swap", "carry", "pingpong")]
+                   if m4j else [])] for r in part["rows"]]
+        text += [f"### {title}: ratios", "", table(head, rows), ""]
+        for k, label in P2P_FORMS:
+            worst = max(r[f"{k}_vs_floor"] for r in part["rows"])
+            check(f"{label}, {title}: <= 1.0x mpi4py at every size", f"{worst:.2f}x",
+                  worst <= 1.0)
+        if m4j:
+            for k in ("swap", "carry", "pingpong"):
+                worst = max(r[f"{k}_vs_mpi4jax"] for r in part["rows"])
+                check(f"{dict(P2P_FORMS)[k]}, {title}: <= mpi4jax at every size",
+                      f"{worst:.2f}x", worst <= 1.0)
+    return text
+
+
 def overlap_report(o, why, a, a_why, check):
     """Communication that overlaps computation (simulated network) and what the
     asynchronous calls cost where nothing overlaps (shared memory)."""
@@ -848,6 +909,21 @@ def plot(m, g, path):
     fig.savefig(path, dpi=100, bbox_inches="tight")
 
 
+def only_p2p(args):
+    """`run.py --only p2p`: the point-to-point part alone (both paths), into OUT/p2p.{md,json}."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as work:
+        p, why = run_p2p(args.quick, work)
+    checks = []
+    body = p2p_report(p, why, lambda n, v, ok: checks.append((n, v, bool(ok))))
+    text = "\n".join(["# vjpmpi benchmarks: point-to-point", "", *body[2:], *targets(checks)])
+    (out / "p2p.md").write_text(text)
+    (out / "p2p.json").write_text(json.dumps({"p2p": p, "p2p_why": why}, indent=1))
+    print(text)
+    return 0 if all(v is not None for v in p.values()) else f"p2p part failed: {why}"
+
+
 def only_devices(args):
     """`run.py --only devices`: the devices part alone, into OUT/devices.{md,json,png}."""
     out = Path(args.out)
@@ -883,8 +959,9 @@ def main():
     parser.add_argument("--gpu-only", action="store_true",
                         help="time GPU buffers only (tests/gpu/run_on_gpu.sh)")
     parser.add_argument("--out", default=str(HERE / "results"))
-    parser.add_argument("--only", choices=("devices",),
-                        help="run this part alone: OUT/devices.md, devices.json, devices.png")
+    parser.add_argument("--only", choices=("devices", "p2p"),
+                        help="run this part alone: OUT/<part>.md and <part>.json (devices: "
+                             "also devices.png)")
     parser.add_argument("--rounds", type=int, default=None,
                         help=f"the devices part's rounds of jobs (default {DEVICE_ROUNDS}; "
                              "--quick: 1)")
@@ -893,6 +970,8 @@ def main():
     args = parser.parse_args()
     if args.only == "devices":
         sys.exit(only_devices(args))
+    if args.only == "p2p":
+        sys.exit(only_p2p(args))
     if not args.quick and not args.gpu_only:
         missing = [m for m in COMPETITORS if importlib.util.find_spec(m) is None]
         if missing:  # a full run judges every target against every competitor
@@ -927,6 +1006,7 @@ def main():
         pipe, pipe_why = run_part("pipeline", 2, args.quick, 300, work)
         rag, rag_why = run_part("ragged", 2, args.quick, 600, work)
         dev, dev_why = run_devices(args.quick, work, args.rounds, args.max_bytes)
+        p2p, p2p_why = run_p2p(args.quick, work)
         nonlinear = []
         for ranks in QUICK_RANKS["nonlinear"] if args.quick else NONLINEAR_RANKS:
             part, why = run_part("nonlinear", ranks, args.quick, 300, work)
@@ -948,6 +1028,7 @@ def main():
     m["pipeline"], m["pipeline_why"] = pipe, pipe_why
     m["ragged"], m["ragged_why"] = rag, rag_why
     m["devices"], m["devices_why"] = dev, dev_why
+    m["p2p"], m["p2p_why"] = p2p, p2p_why
     import mpi4py
 
     m["mpi4py"] = mpi4py.__version__

@@ -14,7 +14,8 @@ multi-process CPU collectives (`jax.distributed` + gloo + `psum` under
 up before JAX's CPU client exists. `check` repeats a few of `main`'s figures with
 the mismatch check on (VJPMPI_CHECK=1); `gpu` (with `run.py --gpu`) times GPU buffers in
 each CUDA mode; `net` times latency and bandwidth with shared memory off (the
-network path, over loopback); `devices` (at P processes x D CPU devices, and at P * D
+network path, over loopback); `p2p` (2 ranks) times point-to-point messages from 4 KiB
+to 64 MiB against mpi4py and mpi4jax (run.py runs it on both paths); `devices` (at P processes x D CPU devices, and at P * D
 processes x 1 device) and `devices_gloo` (JAX's psum on a `jax.distributed` mesh of
 P x D devices) time many devices per process. Every figure is the median of several
 repetitions after warm-up, timed on rank 0 after a barrier. Rank 0 writes the
@@ -1377,11 +1378,137 @@ def devices_gloo_part(quick, max_bytes=None):
             "jax": jax.__version__}
 
 
+# ------------------------------------------------------------- point-to-point --
+P2P_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)  # bytes a message
+
+
+def p2p_part(quick):
+    """Point-to-point at 2 ranks, per message size (4 KiB to 64 MiB), each form a jitted
+    fori_loop timed as (T(3N) - T(N)) / 2N, every case of a size timed in turn within each
+    repetition (the ratios: medians of the per-repetition ratios):
+
+    - `sendrecv` (a ring shift), in two forms: `swap`, two arrays carried and exchanged
+      in turn (`b = sendrecv(a, b); a = sendrecv(b, a)`: each result takes its
+      template's buffer, as mpi4py's floor swaps its two NumPy buffers), and `carry`, one
+      array carried (`c = sendrecv(c, c)`: XLA copies each result into the loop's carry,
+      a copy the floor does not make); mpi4jax's `sendrecv(c, c)` and mpi4py's
+      `Sendrecv` on two buffers swapped each step;
+    - `send`+`recv` (a ping-pong: rank 0 sends and then receives, rank 1 the other way
+      round; per exchange, half a round trip) against mpi4py's `Send` + `Recv` and
+      mpi4jax's `send` + `recv`;
+    - `start`/`wait` of the `swap` sendrecv.
+    """
+    import jax
+    import jax.numpy as jnp
+    import vjpmpi
+
+    try:
+        import mpi4jax
+    except ImportError:
+        mpi4jax = None
+    assert SIZE == 2, "the point-to-point part runs at 2 ranks"
+    peer = 1 - RANK
+    reps = 2 if quick else 9
+    rows = []
+    for nbytes in (P2P_SIZES[:2] if quick else P2P_SIZES):
+        n = nbytes // 4
+        iters = 2 if quick else 2 * max(4, min(200, (24 << 20) // nbytes))  # (even)
+        x = jnp.full(n, float(RANK), jnp.float32)
+        x2 = (x, x + 1)
+
+        def swap_with(exchange):
+            def make(k):
+                def body(i, ab):
+                    a, b = ab
+                    b = exchange(a, b)
+                    return exchange(b, a), b
+                return jax.jit(lambda ab: jax.lax.fori_loop(0, k // 2, body, ab))
+            return make
+
+        swap = swap_with(lambda a, b: vjpmpi.sendrecv(a, b, peer, peer, sendtag=0, recvtag=0))
+
+        def carry(op):
+            return lambda k: fori(op, k)
+
+        def started(k):
+            def body(i, ab):
+                a, b = ab
+                b = vjpmpi.wait(vjpmpi.start(vjpmpi.sendrecv, a, b, peer, peer, sendtag=0,
+                                             recvtag=0))
+                return vjpmpi.wait(vjpmpi.start(vjpmpi.sendrecv, b, a, peer, peer,
+                                                sendtag=0, recvtag=0)), b
+            return jax.jit(lambda ab: jax.lax.fori_loop(0, k // 2, body, ab))
+
+        def pingpong(send, recv):
+            def body(c):
+                if RANK == 0:
+                    send(c)
+                    return recv(c)
+                c = recv(c)
+                send(c)
+                return c
+            return body
+
+        vj_pp = pingpong(lambda c: vjpmpi.send(c, peer, tag=0),
+                         lambda c: vjpmpi.recv(c, peer, tag=0))
+        cases, arg = {}, {}
+        forms = {"swap": (swap, x2), "carry": (carry(lambda c: vjpmpi.sendrecv(
+                     c, c, peer, peer, sendtag=0, recvtag=0)), x),
+                 "started": (started, x2), "pingpong": (carry(vj_pp), x)}
+        if mpi4jax is not None:
+            forms["m4j_swap"] = (swap_with(lambda a, b: mpi4jax.sendrecv(
+                a, b, source=peer, dest=peer, sendtag=0, recvtag=0)), x2)
+            forms["m4j_carry"] = (carry(lambda c: mpi4jax.sendrecv(
+                c, c, source=peer, dest=peer, sendtag=0, recvtag=0)), x)
+            forms["m4j_pingpong"] = (carry(pingpong(
+                lambda c: mpi4jax.send(c, peer, tag=0),
+                lambda c: mpi4jax.recv(c, peer, tag=0))), x)
+        for name, (make, a) in forms.items():
+            cases[name + "1"], cases[name + "3"] = loops(make, a, iters)
+        a_np, b_np = np.ones(n, np.float32), np.empty(n, np.float32)
+
+        def floor_sendrecv():
+            bufs = [a_np, b_np]
+            for i in range(iters):
+                COMM.Sendrecv(bufs[i % 2], peer, 0, bufs[1 - i % 2], peer, 0)
+
+        def floor_pingpong():
+            for _ in range(iters):
+                if RANK == 0:
+                    COMM.Send(a_np, peer, 0)
+                    COMM.Recv(b_np, peer, 0)
+                else:
+                    COMM.Recv(b_np, peer, 0)
+                    COMM.Send(b_np, peer, 0)
+
+        cases["floor_sendrecv"], cases["floor_pingpong"] = floor_sendrecv, floor_pingpong
+        t = {k: np.array(v) for k, v in interleaved(cases, reps, each=True).items()}
+        per = {name: np.maximum(t[name + "3"] - t[name + "1"], 1e-9) / (2 * iters)
+               for name in forms}
+        per["floor_sendrecv"] = t["floor_sendrecv"] / iters
+        per["floor_pingpong"] = t["floor_pingpong"] / (2 * iters)  # (per message)
+        per["pingpong"] = per["pingpong"] / 2
+        if "m4j_pingpong" in per:
+            per["m4j_pingpong"] = per["m4j_pingpong"] / 2
+        row = {"bytes": nbytes, "iters": iters}
+        row.update({k: float(np.median(v)) for k, v in per.items()})
+        for k, floor in (("swap", "floor_sendrecv"), ("carry", "floor_sendrecv"),
+                         ("started", "floor_sendrecv"), ("pingpong", "floor_pingpong")):
+            row[f"{k}_vs_floor"] = float(np.median(per[k] / per[floor]))
+        if mpi4jax is not None:
+            for k, other in (("swap", "m4j_swap"), ("carry", "m4j_carry"),
+                             ("pingpong", "m4j_pingpong")):
+                row[f"{k}_vs_mpi4jax"] = float(np.median(per[k] / per[other]))
+        rows.append(row)
+    return {"ranks": SIZE, "reps": reps, "mpi4jax": getattr(mpi4jax, "__version__", None),
+            "env": {k: os.environ.get(k) for k in NET_VARS if k in os.environ}, "rows": rows}
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", choices=("main", "gloo", "check", "gpu", "net", "nonlinear",
                                            "memory", "fft", "overlap", "async", "pipeline",
-                                           "ragged", "devices", "devices_gloo"),
+                                           "ragged", "devices", "devices_gloo", "p2p"),
                         default="main")
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
@@ -1392,7 +1519,7 @@ if __name__ == "__main__":
             "net": net_part, "nonlinear": nonlinear_part, "memory": memory_part,
             "fft": fft_part, "overlap": overlap_part, "async": async_part,
             "pipeline": pipeline_part, "ragged": ragged_part, "devices": devices_part,
-            "devices_gloo": devices_gloo_part}[args.part]
+            "devices_gloo": devices_gloo_part, "p2p": p2p_part}[args.part]
     result = (part(args.quick, args.max_bytes) if args.part.startswith("devices")
               else part(args.quick))
     if RANK == 0:

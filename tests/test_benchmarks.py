@@ -37,21 +37,6 @@ def check_devices(dev, why):
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in DEVICE_TIMES), r
 
 
-def test_devices_part_alone(tmp_path):
-    """`run.py --only devices`: the part on its own, its table, targets, JSON and plot."""
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--only",
-                          "devices", "--quick", "--out", str(tmp_path)], capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-5000:]
-    res = json.loads((tmp_path / "devices.json").read_text())
-    check_devices(res["devices"], res["devices_why"])
-    text = (tmp_path / "devices.md").read_text()
-    assert "| bytes per device | vjpmpi.lax.psum |" in text and "| 16 KiB |" in text
-    assert "## Targets: " in text and "vjpmpi's sums exact | all sizes | yes |" in text
-    assert (tmp_path / "devices.png").stat().st_size > 10_000
-    assert not (tmp_path / "results.md").exists()
-
-
 def test_benchmark_suite_smoke(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)

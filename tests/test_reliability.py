@@ -350,8 +350,10 @@ def test_watchdog_warns_about_a_stuck_call(tmp_path, case, nprocs):
 
 
 # A root that refused its scatter at trace time (ValueError there) while the others run a
-# program they had verified before: they are inside MPI_Scatter and cannot be told; their
-# watchdogs read the root's note (unchanged for a second) and end the job with its message.
+# program they had verified before: they are inside MPI_Scatter and cannot be told. Their
+# watchdogs read the root's note (unchanged for a second) and end the job with its message,
+# or, where the root goes on at once with another collective there, the root's agreement
+# sees them in the call it refused and ends the job with it (issue 60, item 6).
 REFUSED_INSIDE = """
     n = MPI.COMM_WORLD.size
     f = jax.jit(lambda v: vjpmpi.scatter(v, 0))
@@ -361,13 +363,19 @@ REFUSED_INSIDE = """
         say("NO ERROR")
     except ValueError as e:
         say(f"rank {rank} raised ValueError:", str(e).splitlines()[0])
+        if GO_ON:
+            vjpmpi.allreduce(jnp.ones(2), MPI.SUM).block_until_ready()
+            say("WENT ON")
         time.sleep(60)
 """
 
 
 @NPROCS
-def test_refusal_reaches_ranks_inside_the_collective(tmp_path, nprocs):
-    run, took = run_script(tmp_path, REFUSED_INSIDE, nprocs=nprocs, timeout=120)
+@pytest.mark.parametrize("go_on", [False, True], ids=["stays", "goes_on"])
+def test_refusal_reaches_ranks_inside_the_collective(tmp_path, nprocs, go_on):
+    run, took = run_script(tmp_path, f"GO_ON = {go_on}\n" + textwrap.dedent(REFUSED_INSIDE),
+                           nprocs=nprocs, timeout=120)
+    assert "WENT ON" not in run.output, run.describe()
     assert not run.timed_out and run.returncode != 0, run.describe()
     assert "NO ERROR" not in run.output
     message = (rf"vjpmpi\.scatter: argument 'x' on the root \(rank 0\) must have a leading "

@@ -59,32 +59,20 @@ def refusal(op: str, why: str) -> int:
     return _kernels.register_site(why if why.startswith("vjpmpi.") else f"vjpmpi.{op}: {why}")
 
 
-# Whether this process has a note of a collective it refused at trace time (`refuse_here`):
-# it goes at this rank's next call on a communicator of the same ranks.
-_REFUSAL_NOTED = False
-
-
 def refuse_here(comm: CommRef, op: str, why: str, *, root: int = -1) -> NoReturn:
     """Raise `ValueError(why)` for an argument error that only this rank can see (the
     ranks that pair with it cannot check it), at trace time: this rank does not enter the
     collective. The ranks that do wait in it (their collective there one past this rank's
-    count) stop with the same text: this rank's note in the default communicator's window
-    says what it refused (op, `root`; -1: an op without one), and a rank that waits for
-    this one there, reading the note unchanged for a second, raises it (or, inside MPI
-    already, ends the job with it). The note goes when this rank calls anything else on
-    a communicator of the same ranks, so ranks that skipped the refused call are not taken
-    for ones that make it (a rank that waits in it is told only if the refusing rank does
-    not go on there within that second: then its next call there is compared with the
-    refused one, a mismatch error, or the job's end where a rank is inside MPI)."""
-    global _REFUSAL_NOTED
+    count) stop with the same text, and every rank ends up at the same next call: this
+    rank's note in the default communicator's window says what it refused (op, `root`; -1:
+    an op without one). A rank that waits in it raises the text once this rank runs another
+    call there (whose agreement waits for that), or once the note has stood for a second
+    (or, inside MPI already, the job ends with it). A retry of the same call (same op and
+    root) pairs with theirs, and ranks that never make the refused call (mpi4jax's tests
+    of a root's bad input) pair with this rank's next call as usual."""
     text = why if why.startswith("vjpmpi.") else f"vjpmpi.{op}: {why}"
-    _REFUSAL_NOTED = _kernels.cpu.note_refusal(comm.id, op, root, text)
+    _kernels.cpu.note_refusal(comm.id, op, root, text)
     raise ValueError(text)
-
-
-def _clear_refusal(comm: CommRef) -> None:
-    global _REFUSAL_NOTED
-    _REFUSAL_NOTED = _kernels.cpu.note_refusal(comm.id, "", -1, "")
 
 
 def enter(prim: jc.Primitive, comm: CommRef, *, invalid: str | None = None,
@@ -100,8 +88,6 @@ def enter(prim: jc.Primitive, comm: CommRef, *, invalid: str | None = None,
         params["note"] = _kernels.register_site(note)
     if jc.inside_host_callback():
         raise RuntimeError(_IN_CALLBACK.format(op=prim.name.removeprefix("vjpmpi_")))
-    if _REFUSAL_NOTED:  # (this rank goes on: its refusal note goes, if about these ranks)
-        _clear_refusal(comm)
     if not SPEC_OF[prim].point_to_point:
         _claim(comm, prim.name.removeprefix("vjpmpi_"))
     return params

@@ -294,7 +294,7 @@ def fftn(x, grid=None, *, norm=None, transposed=True, shape=None):
         ValueError: `norm` is not one of None, "backward", "ortho", "forward"; the input
             has fewer than (grid dimensions + 1) axes; `shape` is not the input's number
             of positive ints; on a one-rank grid, the refusals below, at once.
-        jax.errors.JaxRuntimeError: when run, on every rank: this rank's block is not
+        ValueError: when run, on every rank: this rank's block is not
             its block of `shape`, or (without `shape`) the ranks' global shapes differ
             (uneven blocks).
 
@@ -361,7 +361,7 @@ def ifftn(k, grid=None, *, norm=None, transposed=True, shape=None):
         ValueError: `norm` is not one of None, "backward", "ortho", "forward"; the input
             has fewer than (grid dimensions + 1) axes; `shape` is not the input's number
             of positive ints; on a one-rank grid, the refusals below, at once.
-        jax.errors.JaxRuntimeError: when run, on every rank: this rank's block is not
+        ValueError: when run, on every rank: this rank's block is not
             its block of `shape`, or (without `shape`) the ranks' global shapes differ
             (uneven blocks).
 
@@ -412,7 +412,7 @@ def rfftn(x, grid=None, *, norm=None, transposed=True, shape=None):
             of positive ints; the spectral layout splits the half-spectrum axis and it
             has fewer frequencies than the grid dimension that splits it; on a
             one-rank grid, the refusals below, at once.
-        jax.errors.JaxRuntimeError: when run, on every rank: this rank's block is not
+        ValueError: when run, on every rank: this rank's block is not
             its block of `shape`, or (without `shape`) the ranks' global shapes differ
             (uneven blocks).
 
@@ -470,7 +470,7 @@ def irfftn(k, grid=None, *, n=None, norm=None, transposed=True, shape=None):
             splits the half spectrum and `shape` is not given, or `n // 2 + 1` is not
             the number of frequencies on the last axis; on a one-rank grid, the
             refusals below, at once.
-        jax.errors.JaxRuntimeError: when run, on every rank: this rank's block is not
+        ValueError: when run, on every rank: this rank's block is not
             its block of `shape`, or (without `shape`) the ranks' global shapes differ
             (uneven blocks).
 

@@ -36,9 +36,10 @@ with what each is for and the JAX versions with a public home:
   (`_track_host_callbacks`).
 - `jax._src.export._export`: `call_exported_p`, the primitive that calls a deserialized
   `jax.export` function (its `exported` parameter is the `Exported`).
+- `jax._src.interpreters.pxla`: `ExecuteReplicated` (`_one_error_type`).
 
-Of these 22, JAX 0.7.1 runs 19 (`abstract_token`, `JaxprStackFrame`, `new_eqn_recipe`
-public), 0.10 19 (`Effect`, `jaxprs_in_params`, `set_current_trace`), 0.12 17 (those
+Of these 23, JAX 0.7.1 runs 20 (`abstract_token`, `JaxprStackFrame`, `new_eqn_recipe`
+public), 0.10 20 (`Effect`, `jaxprs_in_params`, `set_current_trace`), 0.12 18 (those
 three, `abstract_token`, `new_eqn_recipe`). Undocumented attributes of public objects:
 a lowering context's `module_context.axis_context` (`lowering_devices`) and
 `module_context.lowering_parameters.for_export` (`lowering_for_export`).
@@ -73,6 +74,7 @@ from jax._src.export._export import call_exported_p
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.interpreters import pxla as _pxla
 
 # the sharding half of the seam (its own module: shard_map, device layouts)
 from ._jax_shard import (axis_rank, check_vma, device_where, extend_axes, lower_fun,
@@ -90,6 +92,7 @@ __all__ = [
     "check_vma", "vma_of", "with_vma", "pvary", "device_where", "lower_fun", "axis_rank",
     "manual_axis_size", "named_axes", "reshaped", "reshard", "explicit_axes", "context_mesh",
     "inside_host_callback", "exported_text", "call_exported_p", "trace_state", "eval_jaxpr",
+    "RunError", "block_for_errors",
 ]
 
 
@@ -415,6 +418,59 @@ def exported_text(exported) -> str:
     return str(exported.mlir_module())
 
 
+class RunError(jax.errors.JaxRuntimeError, ValueError):
+    """A vjpmpi call that failed when it ran, raised by JAX's compile path: a ValueError,
+    as JAX's compiled-call fast path raises the same failure, and a JaxRuntimeError, as
+    JAX raised it there before."""
+
+
+def _one_error_type() -> None:
+    """A compiled program whose vjpmpi call fails raises a ValueError on every path.
+
+    JAX raises a failed run as `jax.errors.JaxRuntimeError` (a RuntimeError) where the
+    call compiles or dispatches from Python, and as a plain ValueError from its C++ fast
+    path (a program already compiled: jaxlib's PjitFunction turns any failed status into
+    ValueError). A rank on each path would need two `except` clauses, and a user who catches
+    the first type leaves an uncaught error on a rank where the other came, while the
+    others go on. The Python path's executions all run through
+    `ExecuteReplicated.__call__`: a failure whose text is vjpmpi's (the kernels' errors
+    start "vjpmpi.<op>:" or "vjpmpi:") leaves it as `RunError`, which is both types. No
+    public hook turns a run's error into another type; programs without vjpmpi calls
+    raise as before."""
+    call = _pxla.ExecuteReplicated.__call__
+
+    def execute(self, *args):
+        try:
+            return call(self, *args)
+        except jax.errors.JaxRuntimeError as err:
+            if isinstance(err, ValueError) or not _is_vjpmpi_failure(str(err)):
+                raise
+            raise RunError(*err.args).with_traceback(err.__traceback__) from None
+
+    execute.__wrapped__ = call
+    _pxla.ExecuteReplicated.__call__ = execute
+
+
+def _is_vjpmpi_failure(text: str) -> bool:
+    """Whether a failed run's text is a vjpmpi kernel's error (after XLA's status code)."""
+    head = text[:40]
+    return "vjpmpi." in head or "vjpmpi:" in head
+
+
+def block_for_errors(outs):
+    """`outs` once ready; a vjpmpi failure of the program that computes them raised here as
+    `RunError`. A program over several devices of a process reports a failure when its
+    results are used (`block_until_ready`, `np.asarray`), as JaxRuntimeError: vjpmpi's
+    eager calls on sharded arrays wait here, so that they raise at the call as every
+    eager call does."""
+    try:
+        return jax.block_until_ready(outs)
+    except jax.errors.JaxRuntimeError as err:
+        if isinstance(err, ValueError) or not _is_vjpmpi_failure(str(err)):
+            raise
+        raise RunError(*err.args).with_traceback(err.__traceback__) from None
+
+
 _installed = False
 
 
@@ -443,6 +499,7 @@ def install(*, ordered, linearized, communicates: Callable,
     # inputs do not depend on what is differentiated.
     _run_tangent_rules(binds_collective)
     _track_host_callbacks()
+    _one_error_type()
     _ordered_lowering(ordered, mark, contains, unchained)
     _carry_while_predicate(contains, batched_while)
     extend_axes(extended, extended_psum)

@@ -96,7 +96,9 @@ def lower(ctx, *args, prim, spec: Collective, **params):
     if spec.alias is not None:
         i, j = spec.alias
         a, b = avals_in[i], ctx.avals_out[j]
-        if a.shape == b.shape and a.dtype == b.dtype:
+        k = spec.alias_apart(params)
+        apart = k is not None and _same_value(arrays[k], arrays[i])
+        if a.shape == b.shape and a.dtype == b.dtype and not apart:
             aliases = {i: j}
     attrs = ffi_attrs(ctx, spec, params)
     target = f"vjpmpi_{spec.ffi_target()}"
@@ -107,6 +109,11 @@ def lower(ctx, *args, prim, spec: Collective, **params):
     return chained_call(ctx, spec, target + "_dev", [device_where(spec, params, args), *arrays],
                         [WHERE, *avals_in], ctx.avals_out, attrs,
                         {i + 1: j for i, j in aliases.items()})
+
+
+def _same_value(a, b) -> bool:
+    """Whether two lowered operands are one value (the same variable passed twice)."""
+    return a is b or a == b
 
 
 WHERE = jc.ShapedArray((4,), np.int32)  # (a device call's first operand)

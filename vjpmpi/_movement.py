@@ -57,7 +57,7 @@ def bcast(x, root, *, comm=None):
             freed.
         RuntimeError: when MPI has been finalized, when called from inside a host
             callback, or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+        ValueError: when it runs, on every rank, if the ranks disagree on
             the collective (dtype, shape, root, or its place in their sequence).
 
     Shape:
@@ -110,7 +110,7 @@ def allgather(x, *, comm=None):
         ValueError: when `comm` is `MPI.COMM_NULL` or freed.
         RuntimeError: when MPI has been finalized, when called from inside a host
             callback, or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+        ValueError: when it runs, on every rank, if the ranks disagree on
             the collective (dtype, shape, root, or its place in their sequence).
 
     Shape:
@@ -182,7 +182,7 @@ def gather(x, root, *, comm=None):
             freed.
         RuntimeError: when MPI has been finalized, when called from inside a host
             callback, or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+        ValueError: when it runs, on every rank, if the ranks disagree on
             the collective (dtype, shape, root, or its place in their sequence).
 
     Shape:
@@ -240,7 +240,7 @@ def scatter(x, root, *, comm=None) -> jax.Array:
             scatter for it stop with the same message).
         RuntimeError: when MPI has been finalized, when called from inside a host
             callback, or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+        ValueError: when it runs, on every rank, if the ranks disagree on
             the collective (dtype, shape, root, or its place in their sequence).
 
     Shape:
@@ -292,7 +292,7 @@ def alltoall(x, *, comm=None):
             `MPI.COMM_NULL` or freed.
         RuntimeError: when MPI has been finalized, when called from inside a host
             callback, or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+        ValueError: when it runs, on every rank, if the ranks disagree on
             the collective (dtype, shape, root, or its place in their sequence).
 
     Shape:

@@ -18,7 +18,7 @@ from . import _jax_compat as jc
 from ._bind import enter, refusal, run
 from ._derive import call, define
 from ._mpi import CommRef, as_comm
-from ._primitive import PRIMITIVES, Collective, like
+from ._primitive import DYNAMIC, PRIMITIVES, Collective, like
 from ._rules import only_linear, zeros_for
 from ._validate import PEER, SOURCE, array, check_status, check_tag, rank
 
@@ -195,10 +195,18 @@ def _t_sendrecv(cts, args, p):  # sendrecv with the peers swapped
     return only_linear(args, [send_ct, tmpl_ct])
 
 
+def _apart(p):
+    """The array sent, where it is its own template, keeps the result apart from it
+    (no copy of it), where a message is sure to fill the result: a source that is a rank
+    (not MPI.PROC_NULL, nor one computed when the program runs)."""
+    source = p["source"]
+    return 0 if source not in DYNAMIC and source != MPI.PROC_NULL else None
+
+
 define(Collective("sendrecv", like(1),
                   {"dest": "peer", "source": "peer2", "sendtag": "tag", "recvtag": "tag2",
                    "status": "status"},
-                  alias=(1, 0), transpose=_t_sendrecv, point_to_point=True,
+                  alias=(1, 0), alias_apart=_apart, transpose=_t_sendrecv, point_to_point=True,
                   refuse_derivative=_refuse_any_source))
 
 

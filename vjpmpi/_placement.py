@@ -259,4 +259,4 @@ def sharded_call(prim, spec, params: dict, args):
         if len(_SHARDED) > 256:
             _SHARDED.clear()
         _SHARDED[key] = fn
-    return fn(*args)
+    return jc.block_for_errors(fn(*args))  # (a failure raised at the call: a ValueError)

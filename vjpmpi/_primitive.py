@@ -47,6 +47,11 @@ class Collective:
             scan over the ranks in reverse order).
         out_avals: `(params, *in_avals) -> list of output avals`.
         alias: `(operand, result)` that may share a buffer (in place), or None.
+        alias_apart: `params -> operand or None`: an operand that, where it is the
+            aliased operand's own value, keeps the result in a buffer of its own
+            (`sendrecv(x, x)` from a rank: the array sent is its own template, which XLA
+            would copy before the call, and again into a loop's carry); None: the alias
+            holds (a receive from MPI.PROC_NULL, which leaves the result the template).
         rank_axis: `params -> (input_has_rank_axis, output_has_rank_axis)`: whether
             the leading axis of operand 0 / result 0 enumerates the communicator's ranks
             (used to place the batch axis behind it).
@@ -85,6 +90,7 @@ class Collective:
     params: dict[str, str] = dataclasses.field(default_factory=dict)
     fixed: dict[str, int] = dataclasses.field(default_factory=dict)
     alias: tuple[int, int] | None = None
+    alias_apart: Callable[[dict], int | None] = lambda params: None
     rank_axis: Callable[[dict], tuple[bool, bool]] = lambda params: (False, False)
     target: str | None = dataclasses.field(default="", compare=False)
     linear: Callable[[dict], bool] = lambda params: True

@@ -232,7 +232,7 @@ def ragged_alltoall(operand, output, input_offsets, send_sizes, output_offsets, 
             `comm` is `MPI.COMM_NULL` or freed.
         RuntimeError: when MPI has been finalized, when called from inside a host callback,
             or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when the call runs, on every rank alike: a negative
+        ValueError: when the call runs, on every rank alike: a negative
             offset or size, a slice past its operand or its receiver's output, a
             `recv_sizes` entry that differs from its sender's `send_sizes`, two slices
             written over the same rows of one output, or ranks that disagree on the call.
@@ -291,7 +291,7 @@ def alltoallv(x, send_counts, *, capacity: int, comm=None) -> tuple[jax.Array, j
             `MPI.COMM_NULL` or freed.
         RuntimeError: when MPI has been finalized, when called from inside a host callback,
             or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when the call runs, on every rank alike: a negative
+        ValueError: when the call runs, on every rank alike: a negative
             count, counts past the rows of `x`, more rows received than `capacity`, or
             ranks that disagree on the call.
 
@@ -335,7 +335,7 @@ def allgatherv(x, count, *, capacity: int, comm=None) -> tuple[jax.Array, jax.Ar
             `capacity` is outside `0..2**31 - 1`, or `comm` is `MPI.COMM_NULL` or freed.
         RuntimeError: when MPI has been finalized, when called from inside a host callback,
             or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when the call runs, on every rank alike: a negative
+        ValueError: when the call runs, on every rank alike: a negative
             count, a count past the rows of `x`, more rows in all than `capacity`, or
             ranks that disagree on the call.
 
@@ -385,7 +385,7 @@ def gatherv(x, count, *, root: int, capacity: int, comm=None) -> tuple[jax.Array
             its message).
         RuntimeError: when MPI has been finalized, when called from inside a host callback,
             or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when the call runs, on every rank alike: a negative
+        ValueError: when the call runs, on every rank alike: a negative
             count, a count past the rows of `x`, more rows than `capacity`, or ranks that
             disagree on the call.
 
@@ -445,7 +445,7 @@ def scatterv(x, counts, *, root: int, capacity: int, comm=None) -> tuple[jax.Arr
             - 1`, or `comm` is `MPI.COMM_NULL` or freed.
         RuntimeError: when MPI has been finalized, when called from inside a host callback,
             or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when the call runs, on every rank alike: a negative
+        ValueError: when the call runs, on every rank alike: a negative
             count, counts past the rows of the root's `x`, a block larger than
             `capacity`, or ranks that disagree on the call.
 

@@ -133,7 +133,7 @@ def allreduce(x, op, *, comm=None):
             `comm` is `MPI.COMM_NULL` or freed.
         RuntimeError: when MPI has been finalized, when called from inside a host
             callback, or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+        ValueError: when it runs, on every rank, if the ranks disagree on
             the collective (op, dtype, shape, root, or its place in their sequence).
 
     Shape:
@@ -198,7 +198,7 @@ def reduce(x, op, root, *, comm=None):
             outside the communicator, or `comm` is `MPI.COMM_NULL` or freed.
         RuntimeError: when MPI has been finalized, when called from inside a host
             callback, or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+        ValueError: when it runs, on every rank, if the ranks disagree on
             the collective (op, dtype, shape, root, or its place in their sequence).
 
     Shape:
@@ -244,7 +244,7 @@ def reduce_scatter(x, op, *, comm=None):
             leading axis of the communicator's size, or `comm` is `MPI.COMM_NULL` or freed.
         RuntimeError: when MPI has been finalized, when called from inside a host
             callback, or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+        ValueError: when it runs, on every rank, if the ranks disagree on
             the collective (op, dtype, shape, root, or its place in their sequence).
 
     Shape:
@@ -330,7 +330,7 @@ def scan(x, op, *, comm=None):
             `comm` is `MPI.COMM_NULL` or freed.
         RuntimeError: when MPI has been finalized, when called from inside a host
             callback, or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+        ValueError: when it runs, on every rank, if the ranks disagree on
             the collective (op, dtype, shape, root, or its place in their sequence).
 
     Shape:
@@ -384,7 +384,7 @@ def exscan(x, op, *, comm=None):
             `comm` is `MPI.COMM_NULL` or freed.
         RuntimeError: when MPI has been finalized, when called from inside a host
             callback, or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+        ValueError: when it runs, on every rank, if the ranks disagree on
             the collective (op, dtype, shape, root, or its place in their sequence).
 
     Shape:

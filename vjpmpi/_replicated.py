@@ -45,7 +45,7 @@ def sum_replicated(x, *, comm=None):
         ValueError: when `comm` is `MPI.COMM_NULL` or freed.
         RuntimeError: when MPI has been finalized, when called from inside a host
             callback, or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+        ValueError: when it runs, on every rank, if the ranks disagree on
             the collective (dtype, shape, or its place in their sequence).
 
     Shape:

@@ -38,7 +38,7 @@ def barrier(*, comm=None):
         ValueError: when `comm` is `MPI.COMM_NULL` or freed.
         RuntimeError: when MPI has been finalized, when called from inside a host
             callback, or when another thread already runs collectives on `comm`.
-        jax.errors.JaxRuntimeError: when it runs, on every rank, if the ranks disagree on
+        ValueError: when it runs, on every rank, if the ranks disagree on
             the collective (its place in their sequence).
 
     Shape:

@@ -16,6 +16,7 @@ job that ends the process when a rank that cannot be told is already inside the
 collective (it ran the program before) is in tests/test_reliability.py.
 """
 
+import functools
 import re
 import threading
 
@@ -45,7 +46,7 @@ def comm():
 def raises_everywhere(call, *patterns):
     """`call()` raises on this rank (and so, the test running on every rank, on each),
     with a message matching every pattern; returns the message."""
-    with pytest.raises(Exception) as info:
+    with pytest.raises(ValueError) as info:  # (on every path: issue 60, item 8)
         jax.block_until_ready(call())
     text = str(info.value)
     for p in patterns:
@@ -256,10 +257,7 @@ def test_scatter_root_refusal_reaches_the_ranks_that_wait(comm):
     else:
         raises_everywhere(lambda: vjpmpi.scatter(x, root, comm=comm), message,
                           rf"rank {root} refused it when it traced the call")
-    # (the root goes on there once the others have stopped: its next call there within
-    # the second its refusal takes to reach them would be compared with the scatter)
-    WORLD.Barrier()
-    in_step(comm)
+    in_step(comm)  # (the root's next call there waits for the others to stop in the scatter)
     # the same on a communicator whose window is open, in a jitted program new to every
     # rank (the others compare; inside MPI already, in a program they verified before, they
     # would end the job: tests/test_reliability.py)
@@ -271,7 +269,6 @@ def test_scatter_root_refusal_reaches_the_ranks_that_wait(comm):
     else:
         raises_everywhere(lambda: f(x3), refused(3), rf"rank {root} refused it when it traced",
                           rf"rank {root}: refused it \(its argument error, above\)")
-    WORLD.Barrier()
     in_step(comm)
     # the mpi4py habit: the whole (size, n) array passed on every rank, template included
     full = to_device(np.ones((size, 3), np.float32))
@@ -293,6 +290,71 @@ def test_refusal_skipped_by_the_others_leaves_them_in_step(comm):
                      if rank == root else np.zeros(2, np.float32))
     y = vjpmpi.scatter(good, root, comm=comm)
     np.testing.assert_array_equal(np.asarray(y), [2.0 * rank, 2.0 * rank + 1])
+    in_step(comm)
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_refusal_then_another_collective_at_once_ends_in_step(comm, jitted):
+    """Every rank calls a gatherv whose root passes capacity=-1, then at once an
+    allreduce, each in try/except (issue 60, item 6): the root refuses at trace time and
+    goes on; the others stop in the gatherv with the root's message, not with a mismatch
+    against the root's allreduce, and every allreduce pairs with every other (the others'
+    used to wait in theirs for ever, the root's having been taken for the gatherv's)."""
+    root = last
+    x = to_device(np.arange(4.0) + rank)
+    gatherv = functools.partial(vjpmpi.gatherv, root=root, comm=comm,
+                                capacity=-1 if rank == root else 2 * size)
+    allreduce = functools.partial(vjpmpi.allreduce, op=MPI.SUM, comm=comm)
+    if jitted:
+        gatherv, allreduce = jax.jit(gatherv), jax.jit(allreduce)
+    message = r"vjpmpi\.gatherv: argument 'capacity'=-1 must be in 0\.\.2\*\*31 - 1"
+    errors, sums = [], []
+    for _ in range(2):  # (twice: again on a communicator whose programs ran before)
+        try:
+            jax.block_until_ready(gatherv(x, 2))
+        except ValueError as err:
+            errors.append(str(err))
+        try:
+            sums.append(np.asarray(allreduce(x)))
+        except ValueError as err:
+            sums.append(str(err))
+    assert len(errors) == 2, errors
+    for text in errors:
+        assert re.search(message, text), text
+        if rank != root:
+            assert f"rank {root} refused it when it traced the call" in text, text
+    want = sum(np.arange(4.0) + r for r in range(size))
+    for got in sums:
+        assert not isinstance(got, str), got
+        np.testing.assert_array_equal(got, want)
+    in_step(comm)
+
+
+def test_a_failed_run_is_a_value_error_on_both_of_jaxs_paths(comm):
+    """A call that fails when it runs (a count past the rows, on one rank: an error on
+    every rank) raises ValueError on every rank, whether its program was compiled by this
+    call (JAX's Python path, which raises JaxRuntimeError: vjpmpi's text turns it into a
+    ValueError that is also one) or ran before (JAX's C++ fast path raises ValueError)
+    (issue 60, item 8). The paths differ between ranks in one call: rank 0 calls a fresh
+    jit, the others the one that ran before."""
+    x = to_device(np.arange(6.0).reshape(3, 2) + rank)
+
+    def program():
+        return jax.jit(lambda v, k: vjpmpi.allgatherv(v, k, capacity=3 * size, comm=comm))
+
+    warm = program()
+    y, counts = warm(x, 1)  # (compiled: the next calls take the fast path)
+    np.testing.assert_array_equal(np.asarray(counts), np.ones(size))
+    bad = 4 if rank == last else 1  # (more than the 3 rows of x, on the last rank only)
+    for fresh in (True, False):
+        f = program() if fresh and rank == 0 else warm
+        message = rf"vjpmpi\.allgatherv: rank {last}'s count=4 is more than the 3 rows"
+        with pytest.raises(ValueError, match=message) as info:
+            f(x, bad)
+        if f is not warm:  # (JAX's own type on its Python path, kept)
+            assert isinstance(info.value, jax.errors.JaxRuntimeError), type(info.value)
+    y, counts = warm(x, 1)
+    np.testing.assert_array_equal(np.asarray(counts), np.ones(size))
     in_step(comm)
 
 

@@ -224,6 +224,17 @@ bool Refuses(const Refusal& n, const CommEntry& e, int64_t k, const char* op, in
 }
 
 
+// Whether entry `e` is the call that note `n` refused (its op and root).
+bool IsRefusedCall(const Refusal& n, const Entry& e) {
+  const int root = (e.flags & kUsesRoot) ? e.root : -1;
+  return std::strncmp(n.op, e.op, sizeof(n.op)) == 0 && n.root == root;
+}
+
+// Whether two entries are the same op with the same root.
+bool SameOpAndRoot(const Entry& a, const Entry& b) {
+  return std::strncmp(a.op, b.op, sizeof(a.op)) == 0 && a.root == b.root;
+}
+
 std::string RefusalText(const Refusal& n) {
   return std::string(n.message, strnlen(n.message, sizeof(n.message)));
 }
@@ -514,10 +525,12 @@ std::string Places(Runtime& rt, Channel& ch, const std::vector<Entry>& all,
 // Wait for every other rank's entry for collective `mine.k`; compare; "" when they
 // agree, else the error (raised when every rank compares, else the job ends). *refused:
 // the error is a rank's refusal of this collective at trace time (RefusalSeen): that rank
-// never publishes it, and the caller takes this rank's entry back.
+// never publishes it, and the caller takes this rank's entry back. `standing`: this rank's
+// own refusal of collective #k here (it runs `mine` in the refused call's place): ranks
+// that wait in the refused call are waited for until they stop there and call again.
 std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine,
                           const std::string& invalid_message, std::vector<Entry>& all,
-                          std::vector<int>& state, bool* refused) {
+                          std::vector<int>& state, bool* refused, const Refusal* standing) {
   Channel& ch = *ce.channel;
   const int n = ce.size, me = ce.rank;
   const int64_t k = mine.k;
@@ -552,6 +565,28 @@ std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine,
         if (late) {
           state[q] = kUnread;
           break;
+        }
+        if (standing != nullptr && IsRefusedCall(*standing, p.entry) &&
+            !IsRefusedCall(*standing, mine)) {  // q waits in the call this rank refused
+          if (!(p.entry.flags & kVerifying)) {
+            AbortWith(RefusedError(me, *standing, "their collective #" + std::to_string(k) +
+                                                      " on a communicator of " +
+                                                      std::to_string(n) + " ranks"),
+                      " (the ranks inside the call cannot be told)");
+          }
+          continue;  // (until it stops there, told by this rank's note, and calls again)
+        }
+        if ((p.entry.flags & kAfterRefusal) && !SameOpAndRoot(p.entry, mine)) {
+          Header h{};  // q refused collective #k at trace time and goes on with another call
+          if (!ReadPresence(rt, ce, q, &h)) continue;  // (its note stands: read it again)
+          if (Refuses(h.refused, ce, k, c.op, root)) {  // this rank waits in the refused call
+            state[q] = kRefused;
+            note = h.refused;
+            *refused = true;
+            --waiting;
+            progress = true;
+            continue;
+          }
         }
         all[q] = p.entry;
         state[q] = kHave;
@@ -636,8 +671,9 @@ std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine,
                                                         " on a communicator of " +
                                                         std::to_string(n) + " ranks; each rank:" +
                                                         Rows(rt, all, state, me));
-    for (int r = 0; r < n; ++r) {
-      if (r != me && state[r] == kHave && !(all[r].flags & kVerifying)) {
+    for (int r = 0; r < n; ++r) {  // (a rank that has stopped there already runs another)
+      if (r != me && state[r] == kHave && !(all[r].flags & kVerifying) &&
+          IsRefusedCall(note, all[r])) {
         AbortWith(error, ": some ranks cannot be told (they are inside the collective, having "
                          "run their program before)");
       }
@@ -753,7 +789,12 @@ std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int64_t run
     ce.mode = rt.check_enabled.load(std::memory_order_relaxed) ? 2 : known ? 0 : 1;
     if (known) ce.last_verified = sig;
   }
-  bool verifying = ce.mode != 0 || !invalid_message.empty();
+  // This rank's refusal of the collective it now runs in its place (a trace-time refusal
+  // here, then another call): compared, the note standing until the others have left it.
+  Refusal standing{};
+  const bool after_refusal = rt.refusal_standing.load(std::memory_order_acquire) &&
+                             StandingRefusal(rt, ce, ce.count + 1, &standing);
+  bool verifying = ce.mode != 0 || !invalid_message.empty() || after_refusal;
   // Written in place (a few stores): what the other ranks read when they compare.
   Channel& ch = *ce.channel;
   const uint64_t history_before = ce.history;
@@ -779,6 +820,7 @@ std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int64_t run
     __atomic_store_n(&h->invalid_k, k, __ATOMIC_RELEASE);
   }
   if (verifying) s->flags |= kVerifying;
+  if (after_refusal) s->flags |= kAfterRefusal;
   __atomic_store_n(&s->k_end, k, __ATOMIC_RELEASE);
   __atomic_store_n(&ch.header()->count, k, __ATOMIC_RELEASE);
   if (!verifying) return {};
@@ -786,7 +828,9 @@ std::string Agree(Runtime& rt, CommEntry& ce, Call& c, uint64_t sig, int64_t run
   std::vector<Entry> all;
   std::vector<int> state;
   bool refused = false;
-  std::string e = Verify(rt, ce, c, mine, invalid_message, all, state, &refused);
+  std::string e = Verify(rt, ce, c, mine, invalid_message, all, state, &refused,
+                         after_refusal ? &standing : nullptr);
+  if (after_refusal) ClearRefusal(rt, standing.serial);  // (no rank waits in it now)
   if (refused) {  // the refusing rank never published #k: neither did this one, now
     __atomic_store_n(&s->k_end, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&s->k, 0, __ATOMIC_RELEASE);
@@ -827,6 +871,7 @@ bool NoteRefusal(Runtime& rt, int64_t id, const std::string& op, int root,
   __atomic_store_n(&n.serial_end, 0, __ATOMIC_RELAXED);
   std::atomic_thread_fence(std::memory_order_release);
   n.group = e->group;
+  rt.refusal_comm = e->id;
   n.k = op.empty() ? 0 : __atomic_load_n(&e->count, __ATOMIC_RELAXED) + 1;
   n.root = root;
   std::memset(n.op, 0, sizeof(n.op));
@@ -836,7 +881,47 @@ bool NoteRefusal(Runtime& rt, int64_t id, const std::string& op, int root,
   std::atomic_thread_fence(std::memory_order_release);
   __atomic_store_n(&n.serial, serial, __ATOMIC_RELAXED);
   __atomic_store_n(&n.serial_end, serial, __ATOMIC_RELEASE);
+  rt.refusal_standing.store(n.k != 0, std::memory_order_release);
   return n.k != 0;
+}
+
+// This rank's refusal note, if it refuses collective #k of `ce` (*out: a copy; a note of
+// the refused call's communicator about another collective goes: this rank is past it).
+bool StandingRefusal(Runtime& rt, const CommEntry& ce, int64_t k, Refusal* out) {
+  CommEntry* world = rt.world.load();
+  if (world == nullptr || world->channel == nullptr) return false;
+  int64_t other = 0;
+  {
+    std::lock_guard<std::mutex> lock(rt.site_mutex);
+    const Refusal& n = world->channel->header()->refused;
+    if (n.serial == 0 || n.serial != n.serial_end || n.k == 0 || ce.id != rt.refusal_comm) {
+      return false;
+    }
+    if (n.k == k) {
+      *out = n;
+      return true;
+    }
+    other = n.serial;
+  }
+  ClearRefusal(rt, other);
+  return false;
+}
+
+// The note goes (if it is still note `serial`): no rank waits in the refused call now.
+void ClearRefusal(Runtime& rt, int64_t serial) {
+  CommEntry* world = rt.world.load();
+  if (world == nullptr || world->channel == nullptr) return;
+  std::lock_guard<std::mutex> lock(rt.site_mutex);
+  Refusal& n = world->channel->header()->refused;
+  if (n.serial != serial) return;
+  __atomic_store_n(&n.serial_end, 0, __ATOMIC_RELAXED);
+  std::atomic_thread_fence(std::memory_order_release);
+  n.k = 0;
+  const int64_t next = ++rt.refusal_serial;
+  std::atomic_thread_fence(std::memory_order_release);
+  __atomic_store_n(&n.serial, next, __ATOMIC_RELAXED);
+  __atomic_store_n(&n.serial_end, next, __ATOMIC_RELEASE);
+  rt.refusal_standing.store(false, std::memory_order_release);
 }
 
 }  // namespace vjpmpi

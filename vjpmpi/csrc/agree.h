@@ -48,6 +48,9 @@ enum EntryFlags : int32_t {
   kUsesRoot = 16,  // the op takes a root
   kWaitsForAll = 32,  // each rank's result needs every other rank's input: no rank leaves
                       // the op before every rank has entered it (allreduce; not reduce)
+  kAfterRefusal = 64,  // this rank refused collective #k here at trace time and runs this
+                       // one in its place: its note stands until the ranks that wait in
+                       // the refused call have stopped there (Verify)
 };
 
 // One collective as a rank published it (slot k % kRing of its ring).
@@ -71,9 +74,12 @@ struct Entry {
 // communicator (`group`: the hash of its ranks' places in the default communicator),
 // the collective's number there (`k`: one past the rank's count at the refusal), what it
 // was and why. A rank that waits in the same collective there, while the refusing rank
-// stays one short of it, ends it with this message (RefusedBy) instead of waiting.
-// `serial` changes with each note (0: none) and `serial_end` repeats it last, so that a
-// read that overlaps a write is seen as torn.
+// stays one short of it (a second), ends it with this message instead of waiting.
+// When the refusing rank goes on there with another call (not the refused one again: a
+// retry pairs as usual), that call's entry says so (kAfterRefusal) and the note stands
+// until every rank waiting in the refused call has stopped: the ranks end up at the same
+// call. `serial` changes with each note (0: none) and `serial_end` repeats it last, so
+// that a read that overlaps a write is seen as torn.
 struct Refusal {
   int64_t serial;
   uint64_t group;
@@ -210,6 +216,10 @@ std::string OpenWorld(Runtime& rt, int64_t id);
 // it (Refusal); `op` "": this rank goes on with a call on `id`. Whether a note is left.
 bool NoteRefusal(Runtime& rt, int64_t id, const std::string& op, int root,
                  const std::string& message);
+// This rank's note, if it refuses collective #k of `ce` (*out: a copy); and the note's
+// end once no rank waits in the refused call (if it is still note `serial`).
+bool StandingRefusal(Runtime& rt, const CommEntry& ce, int64_t k, Refusal* out);
+void ClearRefusal(Runtime& rt, int64_t serial);
 
 // ---------------------------------------------------------- agreement --
 // A communicator's window, opened at its first collective `c` (collectively).

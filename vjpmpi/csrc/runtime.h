@@ -83,6 +83,10 @@ struct Runtime {
   // trace time, for the ranks that wait for it on any communicator.
   std::atomic<CommEntry*> world{nullptr};
   int64_t refusal_serial = 0;  // (under site_mutex)
+  int64_t refusal_comm = 0;    // the communicator of the note's refused call (site_mutex)
+  // Whether this rank's header holds a refusal note (NoteRefusal): its next collective on
+  // those ranks keeps it standing until the others have left the refused call (Agree).
+  std::atomic<bool> refusal_standing{false};
   // Held by the watchdog while it reads a window, and by CloseChannel while it frees one.
   std::mutex channel_mutex;
 

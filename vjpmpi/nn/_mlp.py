@@ -311,7 +311,7 @@ def allreduce_gradients(grads: PyTree, *, mean: bool = True, bucket_bytes: int |
             another structure; on a one-rank `comm`, a leaf it cannot sync (naming it).
         TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
             or None.
-        jax.errors.JaxRuntimeError: when run, on every rank, where the ranks'
+        ValueError: when run, on every rank, where the ranks'
             `bucket_bytes` differ (saying so), a leaf it cannot sync (naming the leaf and
             its layer), or ranks of `comm` that hold different blocks of a leaf split
             across them.
@@ -434,7 +434,7 @@ def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None
             another structure; on a one-rank `comm`, a leaf it cannot sync (naming it).
         TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
             or None.
-        jax.errors.JaxRuntimeError: when run, on every rank, where the ranks'
+        ValueError: when run, on every rank, where the ranks'
             `bucket_bytes` differ (saying so), a leaf it cannot sync (naming the leaf and
             its layer), or ranks of `comm` that hold different blocks of a leaf split
             across them.

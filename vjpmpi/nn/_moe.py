@@ -226,7 +226,7 @@ class ExpertParallelMoE(eqx.Module):
             ValueError: `x` is not of shape `(tokens, in_size)`, `max_tokens` is not None
                 or an int >= 0, or the call is batched by `jax.vmap` (each batch element
                 would need its own exchanges and aux: call the layer per element).
-            jax.errors.JaxRuntimeError: when it runs, on every rank, where the ranks'
+            ValueError: when it runs, on every rank, where the ranks'
                 token counts differ and `max_tokens` is None, a rank has more tokens than
                 `max_tokens`, or the ranks pass different `max_tokens` or dtypes (the
                 ranks' agreement, before any data moves; where a rank ran the same program

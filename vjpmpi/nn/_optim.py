@@ -488,7 +488,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, *, mean: bool = True,
             on the whole parameters (saying why), or a leaf it cannot sync or shard
             (naming the leaf and its layer).
         TypeError: `comm` is not an mpi4py intracommunicator or None.
-        jax.errors.JaxRuntimeError: when `update` runs, on every rank, where the ranks'
+        ValueError: when `update` runs, on every rank, where the ranks'
             `bucket_bytes` differ (saying so).
 
     Shape:

@@ -405,7 +405,7 @@ def pipeline_value_and_grad(stage: Callable, loss: Callable, inputs: PyTree, tar
             intracommunicator or None.
         ValueError: a sequence `activation` whose length is not `stages - 1`; on a
             one-rank communicator, any of the refusals below, at once.
-        jax.errors.JaxRuntimeError: when run, on every rank: a schedule whose number of
+        ValueError: when run, on every rank: a schedule whose number of
             stages is not the communicator's size; arguments that do not fit (a stage's
             output unlike `activation`, non-floating activations, `inputs` or `targets`
             missing or without `micro` entries, a `loss` that is not a real scalar, a

@@ -32,7 +32,7 @@ def gather_sequence(x: Float[Array, "seq_block ..."], comm=None) -> Float[Array,
     Raises:
         TypeError: `comm` is not an mpi4py intracommunicator, a device communicator
             or None.
-        jax.errors.JaxRuntimeError: when run, on every rank, where the ranks' blocks
+        ValueError: when run, on every rank, where the ranks' blocks
             differ in shape or dtype (vjpmpi's agreement on the allgather).
 
     Shape:
