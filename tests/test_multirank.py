@@ -1,5 +1,6 @@
 """Run the multi-rank suite (tests/mpi) at 1, 2, 3, 4 and 8 ranks, each rank count in one
-mpiexec job, and check what ran against tests/expected_counts.json.
+mpiexec job (at 2 and 3 ranks, two at once: AT_ONCE), and check what ran against
+tests/expected_counts.json.
 
 The jobs:
   1, 2, 4   every file (but those of ONLY_AT that leave the count out);
@@ -330,20 +331,56 @@ def shared_compiles() -> dict[str, str]:
     return {"VJPMPI_TEST_SHARED_COMPILES": given or str(session_folder() / "compiles")}
 
 
-def job_plan(nprocs, config) -> list[tuple[list[str], list[str], dict[str, str]]]:
-    """The jobs (files, extra pytest arguments, environment) of test_suite[nprocs], run
-    one after the other: for an oversubscribed count the LATENCY_BOUND files spinning,
-    then the rest with OVERSUBSCRIBED_ENV; else one job."""
+# Rank counts whose job runs as this many jobs at once, each with OVERSUBSCRIBED_ENV (the
+# LATENCY_BOUND files spinning, on their own first): a job's ranks share compiled
+# programs, so while one compiles the others wait, and a 2-rank job alone leaves about
+# one of CI's two cores idle (since 2026-12-06, CI's time: 2 ranks 314 -> 250 s, 3 ranks
+# 187 -> 162 s; 4 ranks gained 8 s, not worth its 8 processes).
+AT_ONCE = {2: 2, 3: 2}
+# The files' seconds in the 2-rank job (2026-12-06, CI's machine class), by which they are
+# dealt to those jobs, the longest first to the least loaded (any other file: 3 s). Stale
+# figures cost only balance.
+SECONDS_AT_2 = {
+    "mpi/test_nn.py": 25, "mpi/test_nn_moe_ragged.py": 22, "mpi/test_pipeline.py": 17,
+    "mpi/test_example_lm.py": 17, "mpi/test_async.py": 16, "mpi/test_nn_moe.py": 16,
+    "mpi/test_fuzz.py": 12, "mpi/test_nn_halo.py": 11, "mpi/test_nn_optim.py": 11,
+    "mpi/test_nn_layout.py": 10, "mpi/test_autodiff.py": 10, "mpi/test_fft.py": 9,
+    "mpi/test_example_moe.py": 8, "mpi/test_split.py": 8, "mpi/test_checkpoint.py": 8,
+    "mpi/test_program_order.py": 8, "mpi/test_ragged.py": 7, "mpi/test_collectives.py": 7,
+    "mpi/test_nonlinear.py": 6, "mpi/test_example_cluster.py": 5,
+}
+
+
+def deal(files: list[str], parts: int) -> list[list[str]]:
+    """`files` in `parts` shares of about equal seconds (SECONDS_AT_2), each sorted."""
+    shares: list[list[str]] = [[] for _ in range(parts)]
+    load = [0.0] * parts
+    for f in sorted(files, key=lambda f: (-SECONDS_AT_2.get(f, 3), f)):
+        i = load.index(min(load))
+        shares[i].append(f)
+        load[i] += SECONDS_AT_2.get(f, 3)
+    return [sorted(share) for share in shares]
+
+
+def job_plan(nprocs, config) -> list[list[tuple[list[str], list[str], dict[str, str]]]]:
+    """The jobs (files, extra pytest arguments, environment) of test_suite[nprocs], in
+    stages run one after the other, the jobs of a stage at once: for an oversubscribed
+    count the LATENCY_BOUND files spinning, then the rest with OVERSUBSCRIBED_ENV (in
+    AT_ONCE's number of jobs at once); else one job."""
     files = [f for f in run_files(FILES) if nprocs in counts_of(f)]
     if quick_tier(config.getoption("markexpr")):
         files = [f for f in files if not any(fnmatch.fnmatch(f, p) for p in QUICK_LEAVES_OUT)]
     extra = ["-m", "not narrow"] if nprocs in WIDE else []
-    if not oversubscribed(nprocs):
-        return [(files, extra, shared_compiles())] if files else []
+    parts = 1 if NETWORK or YIELD else AT_ONCE.get(nprocs, 1)  # (YIELD: shared already)
+    if not oversubscribed(nprocs) and parts == 1:
+        return [[(files, extra, shared_compiles())]] if files else []
     spinning = [f for f in files if f in LATENCY_BOUND]
     rest = [f for f in files if f not in LATENCY_BOUND]
-    return [(fs, extra, {**shared_compiles(), **env})
-            for fs, env in ((spinning, {}), (rest, OVERSUBSCRIBED_ENV)) if fs]
+    stages = [[(spinning, extra, shared_compiles())]] if spinning else []
+    shares = deal(rest, parts)
+    stages.append([(fs, extra, {**shared_compiles(), **OVERSUBSCRIBED_ENV})
+                   for fs in shares if fs])
+    return [stage for stage in stages if stage]
 
 
 # Jobs of one rank started when collection ends (tests/conftest.py): no rank of theirs
@@ -359,8 +396,8 @@ def start_early(session):
         if (item.module.__name__ == __name__ and item.originalname == "test_suite"
                 and nprocs in EARLY_RANKS and nprocs not in EARLY):
             plan = job_plan(nprocs, session.config)
-            if len(plan) == 1:
-                files, extra, env = plan[0]
+            if len(plan) == 1 and len(plan[0]) == 1:
+                files, extra, env = plan[0][0]
                 folder = session_folder() / f"early-{nprocs}"
                 EARLY[nprocs] = start_job(nprocs, files, folder, extra, env)
 
@@ -377,9 +414,21 @@ def test_suite(nprocs, tmp_path, request):
     plan = job_plan(nprocs, request.config)
     if not plan:
         pytest.skip(f"no file of VJPMPI_TEST_FILES runs at {nprocs} ranks (ONLY_AT, WIDE)")
-    for i, (files, extra, env) in enumerate(plan):
-        started = EARLY.pop(nprocs, None) if i == 0 else None
-        compare_job(started or start_job(nprocs, files, tmp_path / f"job{i}", extra, env))
+    jobs = 0
+    for stage in plan:
+        running = []
+        for files, extra, env in stage:  # (started together, then each compared)
+            started = EARLY.pop(nprocs, None) if jobs == 0 else None
+            running.append(started or start_job(nprocs, files, tmp_path / f"job{jobs}", extra,
+                                                 env))
+            jobs += 1
+        try:
+            for started in running:
+                compare_job(started)
+        finally:  # (a job that failed: the others of its stage end with it)
+            for started in running:
+                if started.job.proc.poll() is None:
+                    started.job.kill()
 
 
 @dataclasses.dataclass
