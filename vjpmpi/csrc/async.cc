@@ -1,6 +1,7 @@
 // Communicator threads, completion threads and started calls (async.h).
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <thread>
 #include <unordered_map>
@@ -170,6 +171,54 @@ void Started::Finish(std::string e) {
     next = std::move(then);
   }
   if (next) Complete(std::move(next));
+}
+
+namespace {
+struct BufferPool {
+  std::mutex mutex;
+  std::vector<std::vector<unsigned char>> kept;
+  size_t bytes = 0;
+};
+BufferPool& ThePool() {
+  static BufferPool* p = new BufferPool();
+  return *p;
+}
+constexpr size_t kPoolBuffers = 8, kPoolBytes = size_t{1} << 30;
+}  // namespace
+
+std::vector<unsigned char> TakeBuffer(size_t bytes, bool zero) {
+  std::vector<unsigned char> out;
+  {
+    BufferPool& p = ThePool();
+    std::lock_guard<std::mutex> lock(p.mutex);
+    size_t best = p.kept.size();  // (the smallest that holds `bytes`)
+    for (size_t i = 0; i < p.kept.size(); ++i) {
+      const size_t c = p.kept[i].capacity();
+      if (c >= bytes && (best == p.kept.size() || c < p.kept[best].capacity())) best = i;
+    }
+    if (best < p.kept.size()) {
+      out = std::move(p.kept[best]);
+      p.kept.erase(p.kept.begin() + static_cast<std::ptrdiff_t>(best));
+      p.bytes -= out.capacity();
+    }
+  }
+  if (out.capacity() < bytes) out.reserve(bytes);  // (none holds it: a new one)
+  const size_t kept = std::min(out.size(), bytes);
+  out.resize(bytes);  // (zeroes what grows past its last size)
+  if (zero && kept > 0) std::memset(out.data(), 0, kept);
+  return out;
+}
+
+void GiveBuffer(std::vector<unsigned char>&& buffer) {
+  if (buffer.capacity() == 0 || buffer.capacity() > kPoolBytes) return;
+  BufferPool& p = ThePool();
+  std::lock_guard<std::mutex> lock(p.mutex);
+  p.kept.push_back(std::move(buffer));
+  p.bytes += p.kept.back().capacity();
+  while (p.kept.size() > kPoolBuffers || p.bytes > kPoolBytes) {  // (the oldest go)
+    p.bytes -= p.kept.front().capacity();
+    p.kept.erase(p.kept.begin());
+  }
 }
 
 struct StartedCalls {

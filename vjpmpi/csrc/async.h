@@ -117,9 +117,22 @@ inline bool GoesAsync(size_t moved, const CommEntry& ce) {
 // the start's, fixed when the program was traced, and its wait carries the same one;
 // the run is XLA's id of the program's execution, so that two runs of one program (two
 // threads) never take each other's calls.
+// The buffer of a started call's copy of what it sends or receives: one that a finished
+// started call left (a fresh one of some MiB costs the kernel's zeroed pages, and growing
+// a vector zeroes it again: a started 64 MiB exchange took 18x mpi4py's time), resized to
+// `bytes`: zeroed where `zero` (what a receive leaves unwritten reads as zeros), else
+// holding the last call's bytes (to be overwritten).
+std::vector<unsigned char> TakeBuffer(size_t bytes, bool zero);
+// A finished started call's buffer, kept for the next (a few, up to 1 GiB in all).
+void GiveBuffer(std::vector<unsigned char>&& buffer);
+
 struct Started {
   std::tuple<int64_t, int64_t, int64_t> key;  // (comm, slot, run)
   std::vector<unsigned char> send, recv;
+  ~Started() {
+    GiveBuffer(std::move(send));
+    GiveBuffer(std::move(recv));
+  }
   std::mutex mutex;
   bool done = false;
   bool posted = false;  // its messages are posted, and a poll ends it (on the thread)

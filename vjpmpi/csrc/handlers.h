@@ -123,7 +123,7 @@ inline int64_t StartedRun(int64_t slot, int64_t run) { return slot < 0 ? 0 : run
 // A started call's copy of the array it sends (taken in the start: XLA may reuse x's
 // buffer once the start has returned).
 inline const void* Keep(std::vector<unsigned char>& own, ffi::AnyBuffer x) {
-  own.resize(x.size_bytes());
+  own = TakeBuffer(x.size_bytes(), false);  // (overwritten below)
   if (!own.empty()) HostCopy(own.data(), x.untyped_data(), own.size());
   return own.data();
 }
@@ -131,7 +131,7 @@ inline const void* Keep(std::vector<unsigned char>& own, ffi::AnyBuffer x) {
 // A started call's buffer for the array it receives; holding the template where nothing
 // will arrive (from MPI_PROC_NULL, which keeps it).
 inline void* Receive(std::vector<unsigned char>& own, ffi::AnyBuffer tmpl, bool keep) {
-  own.resize(tmpl.size_bytes());
+  own = TakeBuffer(tmpl.size_bytes(), !keep);
   if (keep && !own.empty()) HostCopy(own.data(), tmpl.untyped_data(), own.size());
   return own.data();
 }
