@@ -188,18 +188,19 @@ def report(m, g, g_why):
     # backward
     rows = []
     for r in m["backward"]:
-        ideal = 1 + r["mpi_adj"] / r["mpi_fwd"]
-        rows.append([r["op"], ms(r["fwd"]), ms(r["vg"]), r["vg"] / r["fwd"], ms(r["mpi_fwd"]),
-                     ms(r["mpi_adj"]), ideal])
-        check(f"backward {r['op']}: jit(value_and_grad f) / jit(f) <= 2.2",
-              f"{r['vg'] / r['fwd']:.2f}", r["vg"] <= 2.2 * r["fwd"])
+        ratio, ideal = ratio_and_ideal(r)
+        rows.append([r["op"], ms(r["fwd"]), ms(r["vg"]), ratio, ms(r["mpi_fwd"]),
+                     ms(r["mpi_adj"]), ideal, ratio / ideal])
+        check(f"backward {r['op']}: jit(value_and_grad f) / jit(f) <= 1.1x ideal",
+              f"{ratio:.2f} (ideal {ideal:.2f}, {ratio / ideal:.2f}x)", ratio <= 1.1 * ideal)
     text += ["## Backward cost: f = 8 chained (collective, x0.5) on 1 MiB", "",
              "`ideal` is (forward collective + its adjoint) / forward collective, both timed "
              "with mpi4py on 1 MiB: the ratio an implementation with no overhead would reach "
              "(bcast's adjoint is a Reduce, allgather's a Reduce_scatter, scan's an Allreduce "
-             "minus an Exscan).", "",
+             "minus an Exscan). All four timed in turn in each repetition; `ratio` and "
+             "`ideal` are the medians of the repetitions' own (the times: medians).", "",
              table(["op", "jit(f) ms", "jit(value_and_grad f) ms", "ratio", "mpi4py fwd op ms",
-                    "mpi4py adjoint ms", "ideal"], rows), ""]
+                    "mpi4py adjoint ms", "ideal", "ratio / ideal"], rows), ""]
 
     text += nonlinear_report(m.get("nonlinear", []), check)
     text += fft_report(m.get("fft", []), check)
@@ -318,6 +319,14 @@ def targets(checks):
                   [[n, val, "yes" if ok else "**no**"] for n, val, ok in checks]), ""]
 
 
+def ratio_and_ideal(r):
+    """A backward row's value_and_grad / f ratio and its ideal: the medians of the
+    repetitions' own where the run kept them, else from the median times (older runs)."""
+    if "ratio" in r:
+        return r["ratio"], r["ideal"]
+    return r["vg"] / r["fwd"], 1 + r["mpi_adj"] / r["mpi_fwd"]
+
+
 def nonlinear_report(parts, check):
     """Nonlinear derivatives: value_and_grad / f against the ideal, per rank count."""
     rows = []
@@ -327,8 +336,7 @@ def nonlinear_report(parts, check):
             check(f"nonlinear derivatives at {part['ranks']} ranks: ran", part["why"], False)
             continue
         for r in part["rows"]:
-            ideal = 1 + r["mpi_adj"] / r["mpi_fwd"]
-            ratio = r["vg"] / r["fwd"]
+            ratio, ideal = ratio_and_ideal(r)
             rows.append([part["ranks"], r["op"], ms(r["fwd"]), ms(r["vg"]), ratio,
                          ms(r["mpi_fwd"]), ms(r["mpi_adj"]), ideal, ratio / ideal])
             check(f"backward {r['op']} at {part['ranks']} ranks: ratio <= 1.2x ideal",
@@ -778,7 +786,8 @@ def overlap_report(o, why, a, a_why, check):
         check("overlap section: ran on the simulated network", why, False)
     else:
         mlp = o["mlp"]
-        bound = max(1.0, (mlp["forward"] + mlp["allreduce"]) / mlp["compute"])
+        bound = mlp.get("bound_ratio",
+                        max(1.0, (mlp["forward"] + mlp["allreduce"]) / mlp["compute"]))
         text += [
             f"{o['ranks']} ranks, one per network namespace and core, joined by veth pairs "
             f"shaped with tc tbf to {o['link']} (`benchmarks/simnet.sh`), MPICH over its "
@@ -805,33 +814,50 @@ def overlap_report(o, why, a, a_why, check):
             "backward pass, the allgathers of the updates after it).", "",
             table(["step", "compute s", "forward s", "after s", "overlapped s",
                    "allreduce alone s", "after / compute", "overlapped / compute",
-                   "bound / compute"],
+                   "bound / compute", "overlapped / bound"],
                   [["allreduce", mlp["compute"], mlp["forward"], mlp["after"],
                     mlp["overlapped"], mlp["allreduce"], mlp["after_ratio"],
-                    mlp["overlapped_ratio"], bound],
+                    mlp["overlapped_ratio"], bound, mlp.get("overlapped_vs_bound")],
                    ["ZeRO", mlp["compute"], mlp["forward"], mlp["zero_after"],
                     mlp["zero_overlapped"], None, mlp["zero_after_ratio"],
-                    mlp["zero_overlapped_ratio"], None]]), "",
+                    mlp["zero_overlapped_ratio"], bound, mlp.get("zero_overlapped_vs_bound")]]),
+            "", "`overlapped / bound`: the median of the repetitions' overlapped step over "
+            "that repetition's bound (the target's measure; `bound / compute` likewise).", "",
             "Halo exchange: 2-D reaction-diffusion on a grid split by rows, one halo row of "
             f"{o['halo'][0]['halo_bytes']} bytes to and from each neighbour per step "
             "(two chained `vjpmpi.sendrecv`). `exchange`: the exchanges alone; `after` / "
             "`overlapped`: the program under the synchronous and the default threshold; "
             "`split`: the exchanges begun with `vjpmpi.start`, the interior rows updated "
-            "between `vjpmpi.fence`s, then the `vjpmpi.wait`s. Seconds per step.", "",
+            "between `vjpmpi.fence`s, then the `vjpmpi.wait`s. `halos`: the two halo "
+            "exchanges of a step alone (jitted, the rows sent coming back as the next "
+            "step's templates), against the same `Sendrecv`s in mpi4py on NumPy rows "
+            "(`mpi4py`; the ratio: the median of the repetitions'). Seconds per step.", "",
             table(["rows per rank", "compute s", "exchange s", "after s", "overlapped s",
-                   "split s"],
+                   "split s", "halos s", "mpi4py halos s", "halos / mpi4py"],
                   [[h["rows"], h["compute"], h["exchange"], h["after"], h["overlapped"],
-                    h["split"]] for h in o["halo"]]), "",
+                    h["split"], h.get("halos"), h.get("halos_mpi4py"),
+                    h.get("halos_vs_mpi4py")] for h in o["halo"]]), "",
             "The ratios (each the median of the repetitions' ratios):", "",
             table(["rows per rank", "exchange / compute", "after / compute",
                    "overlapped / compute", "split / compute"],
                   [[h["rows"], h["exchange_ratio"], h["after_ratio"], h["overlapped_ratio"],
                     h["split_ratio"]] for h in o["halo"]]), ""]
         ratio = mlp["overlapped_ratio"]
-        check("overlapped data-parallel MLP step <= 1.15x compute only",
-              f"{ratio:.2f}x (after: {mlp['after_ratio']:.2f}x, bound: "
-              f"{bound:.2f}x)", ratio <= 1.15)
+        if "overlapped_vs_bound" in mlp:
+            vs = mlp["overlapped_vs_bound"]
+            check("overlapped data-parallel MLP step <= 1.10x its bound, max(compute, "
+                  "forward + allreduce)",
+                  f"{vs:.2f}x the bound (compute only: {ratio:.2f}x, the bound "
+                  f"{bound:.2f}x, after: {mlp['after_ratio']:.2f}x)", vs <= 1.10)
+        else:  # (a run from before the bound was measured per repetition)
+            check("overlapped data-parallel MLP step <= 1.15x compute only",
+                  f"{ratio:.2f}x (after: {mlp['after_ratio']:.2f}x, bound: "
+                  f"{bound:.2f}x)", ratio <= 1.15)
         for h in o["halo"]:
+            if "halos_vs_mpi4py" in h:
+                check(f"halo exchanges of the reaction-diffusion step ({h['rows']} rows) "
+                      "<= 1.0x mpi4py", f"{h['halos_vs_mpi4py']:.2f}x",
+                      h["halos_vs_mpi4py"] <= 1.0)
             ratio = h["split_ratio"]
             check(f"split halo step ({h['rows']} rows) <= 1.15x compute only",
                   f"{ratio:.2f}x (after: {h['after_ratio']:.2f}x, overlapped: "

@@ -107,6 +107,25 @@ def loops(make_loop, x, iters):
     return (lambda: jax_block(f1(x))), (lambda: jax_block(f3(x)))
 
 
+def carried_loops(make_loop, x, iters):
+    """Warm, zero-argument runs of the N- and 3N-op loops, each call's result donated as
+    the next call's input: no copy of an input and no fresh output buffer per call (at
+    64 MiB those cost more, and varied more between calls, than 8 exchanges: the
+    marginal came out below zero)."""
+    import jax
+    import jax.numpy as jnp
+
+    runs = []
+    for k in (iters, 3 * iters):
+        f = jax.jit(make_loop(k), donate_argnums=0)
+        state = [jax_block(f(jax.tree_util.tree_map(jnp.copy, x)))]
+
+        def run(f=f, state=state):
+            state[0] = jax_block(f(state[0]))
+        runs.append(run)
+    return runs
+
+
 def rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -610,9 +629,13 @@ def backward_cost(f, x, fwd_op, adj_ops, quick):
     cases = {"fwd": lambda: jax_block(fwd(x)), "vg": lambda: jax_block(vg(x)),
              "mpi_fwd": repeat(fwd_op, 8)}
     cases.update({f"adj{i}": repeat(a, 8) for i, a in enumerate(adj_ops)})
-    t = interleaved(cases, 3 if quick else 31)
-    return {"fwd": t["fwd"], "vg": t["vg"], "mpi_fwd": t["mpi_fwd"] / 8,
-            "mpi_adj": sum(t[f"adj{i}"] for i in range(len(adj_ops))) / 8}
+    t = {k: np.array(v) for k, v in interleaved(cases, 3 if quick else 31, each=True).items()}
+    adj = sum(t[f"adj{i}"] for i in range(len(adj_ops)))
+    # (the ratio and the ideal: medians of the repetitions' own, all timed in turn)
+    return {"fwd": float(np.median(t["fwd"])), "vg": float(np.median(t["vg"])),
+            "mpi_fwd": float(np.median(t["mpi_fwd"])) / 8, "mpi_adj": float(np.median(adj)) / 8,
+            "ratio": float(np.median(t["vg"] / t["fwd"])),
+            "ideal": float(np.median(1 + adj / t["mpi_fwd"]))}
 
 
 # ----------------------------------------------------------------- nonlinear --
@@ -855,13 +878,14 @@ NET_VARS = ("MPIR_CVAR_NOLOCAL", "MPIR_CVAR_CH4_NETMOD", "FI_PROVIDER", "OMPI_MC
 
 
 # ------------------------------------------------------------------- overlap --
-def _steps(cases, reps):
+def _steps(cases, reps, each=False):
     """Median seconds per call of each case, `name: (function, args, threshold)` (the
     vjpmpi.async_threshold it runs under: None, synchronous), in turn within each
     repetition (after a warm-up call each), so that drift hits every case alike; where
     there is a "compute" case, also `<name>_ratio`: the median over the repetitions of
     the case's time over compute's in the same repetition (this machine's speed drifts
-    by 10-20% between repetitions, more than the ratios it measures differ)."""
+    by 10-20% between repetitions, more than the ratios it measures differ). `each`: also
+    every repetition's seconds (`(out, times)`)."""
     import jax
     import vjpmpi
 
@@ -880,7 +904,7 @@ def _steps(cases, reps):
     if "compute" in times:
         out.update({k + "_ratio": float(np.median(np.divide(v, times["compute"])))
                     for k, v in times.items() if k != "compute"})
-    return out
+    return (out, {k: np.array(v) for k, v in times.items()}) if each else out
 
 
 def _dp_mlp(quick):
@@ -939,13 +963,19 @@ def _dp_mlp(quick):
     flat = vjpmpi.nn.allreduce_gradients  # the same message alone, for scale
     grads = jax.grad(loss)(params, x, y)
     comm_only = jax.jit(flat)
-    t = _steps({"compute": (compute_only, (params, x, y), None),
-                "forward": (jax.jit(loss), (params, x, y), None),
-                "after": (after, (params, x, y), None),
-                "overlapped": (overlapped, (params, x, y), ASYNC),
-                "allreduce": (comm_only, (grads,), None),
-                "zero_after": (*zero(None), None), "zero_overlapped": (*zero(bucket), ASYNC)},
-               reps)
+    t, each = _steps({"compute": (compute_only, (params, x, y), None),
+                      "forward": (jax.jit(loss), (params, x, y), None),
+                      "after": (after, (params, x, y), None),
+                      "overlapped": (overlapped, (params, x, y), ASYNC),
+                      "allreduce": (comm_only, (grads,), None),
+                      "zero_after": (*zero(None), None),
+                      "zero_overlapped": (*zero(bucket), ASYNC)}, reps, each=True)
+    # the overlapped step against its own bound in each repetition: max(compute, forward +
+    # allreduce), the least it can take (no bucket exists before the forward pass ends)
+    bound = np.maximum(each["compute"], each["forward"] + each["allreduce"])
+    t["bound_ratio"] = float(np.median(bound / each["compute"]))
+    t["overlapped_vs_bound"] = float(np.median(each["overlapped"] / bound))
+    t["zero_overlapped_vs_bound"] = float(np.median(each["zero_overlapped"] / bound))
     n_params = sum(p.size for p in jax.tree_util.tree_leaves(params))
     return {"width": width, "layers": depth + 1, "batch": batch, "params": int(n_params),
             "bucket_bytes": bucket, **t}
@@ -1014,15 +1044,37 @@ def _halo(quick, rows):
             u = jnp.concatenate([top, u[1:-1], bottom])
         return u
 
+    def halos(f, last, t1, t2):  # the halo exchanges alone, no copy: the rows sent come
+        for _ in range(steps):   # back as the next step's templates
+            top = vjpmpi.sendrecv(last, t1, source=up, dest=down, sendtag=1, recvtag=1)
+            bottom = vjpmpi.sendrecv(f, t2, source=down, dest=up, sendtag=2, recvtag=2)
+            f, last, t1, t2 = top, bottom, f, last
+        return f, last, t1, t2
+
+    bufs = [np.random.default_rng(RANK + i).random(cols).astype(np.float32) for i in range(4)]
+
+    def halos_mpi4py():  # the same messages with mpi4py on NumPy rows
+        f, last, t1, t2 = bufs
+        for _ in range(steps):
+            COMM.Sendrecv(last, down, 1, t1, up, 1)
+            COMM.Sendrecv(f, up, 2, t2, down, 2)
+            f, last, t1, t2 = t1, t2, f, last
+
     u = jnp.asarray(np.random.default_rng(RANK).random((rows, cols)).astype(np.float32))
     exchanged, split = loop(exchange), jax.jit(split)
     if not np.array_equal(exchanged(u), split(u)):
         raise AssertionError("halo benchmark: the split step's result differs")
-    t = _steps({"compute": (loop(local), (u,), None), "exchange": (jax.jit(exchanges), (u,), None),
-                "after": (exchanged, (u,), None), "overlapped": (exchanged, (u,), ASYNC),
-                "split": (split, (u,), None)}, reps)
+    jhalos = jax.jit(halos)
+    rows4 = [jnp.asarray(b) for b in bufs]
+    t, each = _steps({"compute": (loop(local), (u,), None),
+                      "exchange": (jax.jit(exchanges), (u,), None),
+                      "after": (exchanged, (u,), None), "overlapped": (exchanged, (u,), ASYNC),
+                      "split": (split, (u,), None), "halos": (jhalos, rows4, None),
+                      "halos_mpi4py": (lambda: halos_mpi4py(), (), None)}, reps, each=True)
+    t["halos_vs_mpi4py"] = float(np.median(each["halos"] / each["halos_mpi4py"]))
     return {"rows": rows, "cols": cols, "steps": steps, "halo_bytes": cols * 4,
-            **{k: v if k.endswith("_ratio") else v / steps for k, v in t.items()}}
+            **{k: v if k.endswith(("_ratio", "_vs_mpi4py")) else v / steps
+               for k, v in t.items()}}
 
 
 ASYNC = "auto"  # the overlapped cases' threshold: the default (64 KiB across nodes)
@@ -1397,6 +1449,8 @@ def p2p_part(quick):
       round; per exchange, half a round trip) against mpi4py's `Send` + `Recv` and
       mpi4jax's `send` + `recv`;
     - `start`/`wait` of the `swap` sendrecv.
+
+    Each loop's result is its next call's (donated) input (`carried_loops`).
     """
     import jax
     import jax.numpy as jnp
@@ -1464,7 +1518,7 @@ def p2p_part(quick):
                 lambda c: mpi4jax.send(c, peer, tag=0),
                 lambda c: mpi4jax.recv(c, peer, tag=0))), x)
         for name, (make, a) in forms.items():
-            cases[name + "1"], cases[name + "3"] = loops(make, a, iters)
+            cases[name + "1"], cases[name + "3"] = carried_loops(make, a, iters)
         a_np, b_np = np.ones(n, np.float32), np.empty(n, np.float32)
 
         def floor_sendrecv():
