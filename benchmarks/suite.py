@@ -1444,7 +1444,8 @@ def p2p_part(quick):
       template's buffer, as mpi4py's floor swaps its two NumPy buffers), and `carry`, one
       array carried (`c = sendrecv(c, c)`: XLA copies each result into the loop's carry,
       a copy the floor does not make); mpi4jax's `sendrecv(c, c)` and mpi4py's
-      `Sendrecv` on two buffers swapped each step;
+      `Sendrecv` on two buffers swapped each step, and its `Sendrecv_replace` on one
+      buffer (the carry form's peer: one array, exchanged in place);
     - `send`+`recv` (a ping-pong: rank 0 sends and then receives, rank 1 the other way
       round; per exchange, half a round trip) against mpi4py's `Send` + `Recv` and
       mpi4jax's `send` + `recv`;
@@ -1535,11 +1536,17 @@ def p2p_part(quick):
                     COMM.Recv(b_np, peer, 0)
                     COMM.Send(b_np, peer, 0)
 
+        def floor_replace():  # (one buffer, exchanged in place: the carry form's peer)
+            for _ in range(iters):
+                COMM.Sendrecv_replace(a_np, peer, 0, peer, 0)
+
         cases["floor_sendrecv"], cases["floor_pingpong"] = floor_sendrecv, floor_pingpong
+        cases["floor_replace"] = floor_replace
         t = {k: np.array(v) for k, v in interleaved(cases, reps, each=True).items()}
         per = {name: np.maximum(t[name + "3"] - t[name + "1"], 1e-9) / (2 * iters)
                for name in forms}
         per["floor_sendrecv"] = t["floor_sendrecv"] / iters
+        per["floor_replace"] = t["floor_replace"] / iters
         per["floor_pingpong"] = t["floor_pingpong"] / (2 * iters)  # (per message)
         per["pingpong"] = per["pingpong"] / 2
         if "m4j_pingpong" in per:
@@ -1549,6 +1556,7 @@ def p2p_part(quick):
         for k, floor in (("swap", "floor_sendrecv"), ("carry", "floor_sendrecv"),
                          ("started", "floor_sendrecv"), ("pingpong", "floor_pingpong")):
             row[f"{k}_vs_floor"] = float(np.median(per[k] / per[floor]))
+        row["carry_vs_replace"] = float(np.median(per["carry"] / per["floor_replace"]))
         if mpi4jax is not None:
             for k, other in (("swap", "m4j_swap"), ("carry", "m4j_carry"),
                              ("pingpong", "m4j_pingpong")):

@@ -358,7 +358,8 @@ def _lower_wait(ctx, *state, **params):
                             [ctx.avals_in[i] for i in used], ctx.avals_out, attrs, {1: 0})
     attrs["dev"] = where.attribute(inner.get("level", 1), inner.get("layout", 0))
     w = jc.device_where(None, 0, 0, 0)  # (a wait needs the device's partition only)
-    return chained_call(ctx, spec, target + "_dev", [w], [WHERE], ctx.avals_out, attrs)
+    target = "vjpmpi_wait_dev" if ctx.avals_out else "vjpmpi_wait_send_dev"
+    return chained_call(ctx, spec, target, [w], [WHERE], ctx.avals_out, attrs)
 
 
 def _cpu_only(ctx, spec: Collective):
