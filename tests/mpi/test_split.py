@@ -20,6 +20,7 @@
 
 import re
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -394,6 +395,35 @@ def test_started_calls_use_xla_buffers_unless_something_else_can_fail():
 
 def _raise(v):
     raise RuntimeError("stopped by the test")
+
+
+@pytest.mark.skipif(size < 2, reason="needs a second rank")
+def test_a_failed_run_lets_its_started_messages_end_first():
+    """A direct started receive (MPI writes into XLA's buffer) whose run fails before its
+    wait: the failure returns only once the message has arrived, so that MPI is done with
+    the buffer before XLA frees it. Rank 1 sends the started call's message half a second
+    after the failing one (a truncated receive on rank 0); rank 0's error comes after
+    it. Ranks above 1 take no part."""
+    def f(x):
+        p = vjpmpi.start(vjpmpi.recv, jnp.zeros(5), 1, tag=11)
+        short = vjpmpi.recv(jnp.zeros(5), 1, tag=12)
+        return vjpmpi.wait(p) + short.sum() + x
+
+    if rank == 0:
+        assert _own(f, jnp.zeros(5)) == [0]  # (compiled before the clock starts)
+    vjpmpi.barrier()
+    if rank == 0:
+        t0 = time.perf_counter()
+        with pytest.raises(Exception, match=r"vjpmpi\.recv.*(MPI_Recv|VJPMPI_CHECK)"):
+            jax.jit(f)(jnp.zeros(5)).block_until_ready()
+        took = time.perf_counter() - t0
+        assert took > 0.4, f"the failure returned {took:.3f} s after the call"
+    elif rank == 1:
+        vjpmpi.send(jnp.ones(10), 0, tag=12)
+        time.sleep(0.5)
+        vjpmpi.send(jnp.full(5, 7.0), 0, tag=11)
+    assert _started() == 0
+    vjpmpi.barrier()
 
 
 def test_started_receive_of_a_longer_message_says_what_arrived():
