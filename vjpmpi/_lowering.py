@@ -97,7 +97,7 @@ def lower(ctx, *args, prim, spec: Collective, **params):
         i, j = spec.alias
         a, b = avals_in[i], ctx.avals_out[j]
         k = spec.alias_apart(params)
-        apart = k is not None and _same_value(arrays[k], arrays[i])
+        apart = k is not None and same_value(arrays[k], arrays[i])
         if a.shape == b.shape and a.dtype == b.dtype and not apart:
             aliases = {i: j}
     attrs = ffi_attrs(ctx, spec, params)
@@ -111,7 +111,7 @@ def lower(ctx, *args, prim, spec: Collective, **params):
                         {i + 1: j for i, j in aliases.items()})
 
 
-def _same_value(a, b) -> bool:
+def same_value(a, b) -> bool:
     """Whether two lowered operands are one value (the same variable passed twice)."""
     return a is b or a == b
 

@@ -23,6 +23,9 @@ from ._primitive import (COLLECTIVES, ORDERED, SPEC_OF, Collective, contains_col
 
 # More checks of a program before it is lowered: `check(jaxpr)` raises (vjpmpi.start's).
 LOWERING_CHECKS: list[Callable[[jc.Jaxpr], None]] = []
+# Parameters that calls take from their whole program (the module's jaxpr): `f(jaxpr)`
+# gives {primitive: {name: value}} for every call of that primitive (vjpmpi.start's buffers).
+PROGRAM_PARAMS: list[Callable[[jc.Jaxpr], dict]] = []
 
 
 def mark(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
@@ -44,12 +47,17 @@ def mark(jaxpr: jc.Jaxpr) -> jc.Jaxpr:
     level = 2 if _device_p2p(jaxpr) else 1
     layouts: dict[int, int] = {}  # (a collective inside a shard_map: its mesh)
     _shard_map_layouts(jaxpr, 0, layouts)
+    program: dict = {}
+    for params_of in PROGRAM_PARAMS:
+        for prim, p in params_of(jaxpr).items():
+            program.setdefault(prim, {}).update(p)
 
     def own_params(eqn):
         if eqn.primitive not in COLLECTIVES:
             return None
         return {"ordered": True, "sig": sigs.get(eqn.params["comm"], 0), "level": level,
-                "layout": eqn.params.get("layout") or layouts.get(id(eqn), 0)}
+                "layout": eqn.params.get("layout") or layouts.get(id(eqn), 0),
+                **program.get(eqn.primitive, {})}
 
     return mark_jaxpr(jaxpr, ORDERED, own_params, contains_collective, {})
 

@@ -1,11 +1,14 @@
 """`vjpmpi.start` / `vjpmpi.wait`: a point-to-point call split in two, so that what the
 program computes between them runs while the message travels.
 
-The start is one custom call on the ordering chain that hands the call to the
-communicator's thread (csrc/async.h, `Started`), which posts its messages
-(nonblocking) and polls them, and returns at once; the wait is another, later on the
-chain, that completes when they are done. In a jaxpr the pair is two
-primitives around a *state*, the call's operands passed through:
+The start is one custom call on the ordering chain that posts the call's messages
+(nonblocking) and returns at once; the wait is another, later on the chain, that
+completes when they are done (csrc/async.h, `Started`). Where only vjpmpi calls can stop
+the program (`_buffers`), MPI reads and writes XLA's own buffers: the start's result is
+the buffer received into (the wait's result aliases it) and the wait takes the array
+sent, so that XLA keeps both until then; elsewhere the call copies into buffers of its
+own. In a jaxpr the pair is two primitives around a *state*, the call's operands passed
+through:
 
 - `start_p(*operands) -> state`, `wait_p(*state) -> results` (the op's results);
 - as a linear map, the state is the operands with the op's result in the slot of the
@@ -29,7 +32,8 @@ from ._bind import eager
 from . import _placement
 from ._bind import ranks_operand
 from ._lowering import WHERE, chained_call, device_where, ffi_attrs
-from ._ordering import LOWERING_CHECKS
+from ._lowering import same_value
+from ._ordering import LOWERING_CHECKS, PROGRAM_PARAMS
 from ._p2p import prepare
 from ._mpi import DeviceCommRef
 from ._primitive import (LIN_OF, ORDERED, SPEC_OF, Collective, contains_collective,
@@ -294,10 +298,13 @@ def _inner(params):
     p = dict(params)
     spec = SPEC_OF[p.pop("inner")]
     p.pop("slot")
+    p.pop("own", None)
     return spec, p
 
 
-def _lower_start(ctx, *args, **params):  # -> vjpmpi_<op>_start: (operands, token) -> token
+def _lower_start(ctx, *args, **params):
+    """-> vjpmpi_<op>_start: (operands, token) -> ([r,] token), r where the array received
+    lands (the state's result slot; the wait's result aliases it)."""
     spec, inner = _inner(params)
     _cpu_only(ctx, spec)
     where = _placement.placement(ctx, spec.name, inner["comm"])
@@ -307,7 +314,20 @@ def _lower_start(ctx, *args, **params):  # -> vjpmpi_<op>_start: (operands, toke
     arrays = list(args[:-1] if dynamic_ranks(inner) else args)
     target = f"vjpmpi_{spec.ffi_target()}_start"
     if where is None:
-        chained_call(ctx, spec, target, arrays, ctx.avals_in[:len(arrays)], [], attrs)
+        # (own: the call copies from and into buffers of its own; else MPI uses XLA's)
+        attrs["own"] = np.int64(params.get("own", 1) or params["slot"] < 0)
+        k = _slot_of_result(spec)
+        if k is None:
+            chained_call(ctx, spec, target, arrays, ctx.avals_in[:len(arrays)], [], attrs)
+            return list(args)
+        # r takes the template's buffer (holding it where nothing arrives), except where
+        # the array sent is the template's own value and a message is sure to come (as
+        # the op's own lowering: the two buffers are then read and written at once)
+        apart = spec.alias_apart(inner) if spec.alias_apart else None
+        alias = {} if apart is not None and same_value(arrays[apart], arrays[k]) else {k: 0}
+        (r,) = chained_call(ctx, spec, target, arrays, ctx.avals_in[:len(arrays)],
+                            [ctx.avals_in[k]], attrs, alias)
+        return [r if i == k else a for i, a in enumerate(args)]
     else:
         attrs["dev"] = where.attribute(inner.get("level", 1), inner.get("layout", 0))
         chained_call(ctx, spec, target + "_dev", [device_where(spec, inner, args), *arrays],
@@ -315,19 +335,31 @@ def _lower_start(ctx, *args, **params):  # -> vjpmpi_<op>_start: (operands, toke
     return list(args)
 
 
-def _lower_wait(ctx, *state, **params):  # -> vjpmpi_wait(_send): token -> (results, token)
+def _lower_wait(ctx, *state, **params):
+    """-> vjpmpi_wait(_sendrecv, _send): (the arrays the call uses, token) -> ([y,] token):
+    the array sent (XLA keeps it until here) and the start's r, which y aliases."""
     spec, inner = _inner(params)
     _cpu_only(ctx, spec)
     where = _placement.placement(ctx, spec.name, inner["comm"])
     if where == "auto":
         return _placement.wrap(ctx, wait_p, SPEC_OF[wait_p], params, state)
-    target = "vjpmpi_wait" if ctx.avals_out else "vjpmpi_wait_send"
     attrs = {"comm": np.int64(inner["comm"].id), "slot": np.int64(params["slot"])}
     if where is None:
-        return chained_call(ctx, spec, target, [], [], ctx.avals_out, attrs)
+        k = _slot_of_result(spec)
+        if k is None:  # (a send: its array; an eager one's wait has a result to block on)
+            target = "vjpmpi_wait" if ctx.avals_out else "vjpmpi_wait_send"
+            return chained_call(ctx, spec, target, [state[0]], ctx.avals_in[:1],
+                                ctx.avals_out, attrs)
+        if len(state) == 1:  # (a receive: r)
+            return chained_call(ctx, spec, "vjpmpi_wait", [state[0]], ctx.avals_in[:1],
+                                ctx.avals_out, attrs, {0: 0})
+        used = [0, k]  # (a sendrecv: the array sent, r)
+        return chained_call(ctx, spec, "vjpmpi_wait_sendrecv", [state[i] for i in used],
+                            [ctx.avals_in[i] for i in used], ctx.avals_out, attrs, {1: 0})
     attrs["dev"] = where.attribute(inner.get("level", 1), inner.get("layout", 0))
     w = jc.device_where(None, 0, 0, 0)  # (a wait needs the device's partition only)
-    return chained_call(ctx, spec, target + "_dev", [w], [WHERE], ctx.avals_out, attrs)
+    target = "vjpmpi_wait_dev" if ctx.avals_out else "vjpmpi_wait_send_dev"
+    return chained_call(ctx, spec, target, [w], [WHERE], ctx.avals_out, attrs)
 
 
 def _cpu_only(ctx, spec: Collective):
@@ -437,3 +469,31 @@ def _check_pairs(jaxpr: jc.Jaxpr) -> None:
 
 
 LOWERING_CHECKS.append(_check_pairs)
+
+
+# ---------------------------------------------------------------- buffers --
+# What can stop a run other than a vjpmpi call: host callbacks, other libraries' custom
+# calls, an exported function's (unseen) contents.
+_MAY_FAIL = ("pure_callback", "io_callback", "debug_callback", "ffi_call", "call_exported")
+
+
+def _may_fail_elsewhere(jaxpr: jc.Jaxpr) -> bool:
+    """Whether something in the program other than a vjpmpi call can stop its run."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _MAY_FAIL or "callback" in eqn.primitive.name:
+            return True
+        if any(_may_fail_elsewhere(j) for j in jc.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+def _buffers(jaxpr: jc.Jaxpr) -> dict:
+    """A started call's buffers: XLA's own (`own=0`: no copies) where only vjpmpi calls can
+    stop the program (a failing one waits until the started calls' messages are done,
+    csrc/async.cc ForgetRun, before XLA frees its buffers); else its own (`own=1`), so that
+    a run stopped by a host callback that raised leaves MPI nothing of XLA's to write."""
+    own = int(_may_fail_elsewhere(jaxpr))
+    return {start_p: {"own": own}}
+
+
+PROGRAM_PARAMS.append(_buffers)

@@ -20,6 +20,7 @@
 
 import re
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -302,8 +303,6 @@ def test_failed_run_releases_its_started_calls():
     sends 10 elements where it expects 5) never reaches the wait: its started call is
     released (nothing is left waiting for a wait), and the next program runs. Ranks
     above 1 take no part."""
-    from vjpmpi import _kernels
-
     x = _x(21)
     if rank == 0:
         def f(x):
@@ -320,13 +319,111 @@ def test_failed_run_releases_its_started_calls():
             return vjpmpi.wait(p)
 
         jax.jit(f)(x).block_until_ready()
-    assert _kernels.cpu._started_calls() == 0
+    assert _started() == 0
     vjpmpi.barrier()
     # the next program's started calls pair as before
     f = jax.jit(lambda x: vjpmpi.wait(vjpmpi.start(
         vjpmpi.sendrecv, x, x * 2, prv, nxt, sendtag=3, recvtag=3)))
     _same(f(x), jax.jit(_ring)(x), "after the failed run")
-    assert _kernels.cpu._started_calls() == 0
+    assert _started() == 0
+
+
+# Started calls that runs stopped on purpose by a host callback leave behind (vjpmpi does
+# not learn of such a stop: each holds its own buffers until the process ends).
+_STOPPED = [0]
+
+
+def _started() -> int:
+    """The started calls that wait for their wait, less those."""
+    from vjpmpi import _kernels
+
+    return _kernels.cpu._started_calls() - _STOPPED[0]
+
+
+def _own(f, *args) -> list[int]:
+    """The `own` attribute of each started call in f's compiled program (0: MPI uses XLA's
+    buffers; 1: the call's own, copied)."""
+    text = jax.jit(f).lower(*args).compile().as_text()
+    return [int(m) for m in re.findall(r"_start\b.*?own = (\d+)", text)]
+
+
+def test_started_calls_use_xla_buffers_unless_something_else_can_fail():
+    """A started call's messages go straight from and into XLA's buffers (no copies), which
+    the program keeps until its wait, where only vjpmpi calls can stop the run (a failing
+    one lets the started messages end first). A host callback anywhere in the program (in
+    an enclosing function too) could stop it with MPI still using them: there the call
+    copies into buffers of its own. Both give the exchange; and a run that a callback
+    stops between a start and its wait leaves the next program right."""
+    x = _x(41)
+    want = np.asarray(jax.jit(_ring)(x))
+
+    def started(x):
+        return vjpmpi.wait(vjpmpi.start(vjpmpi.sendrecv, x, x * 2, prv, nxt, sendtag=3,
+                                        recvtag=3))
+
+    def with_callback(x):
+        p = vjpmpi.start(vjpmpi.sendrecv, x, x * 2, prv, nxt, sendtag=3, recvtag=3)
+        jax.debug.callback(lambda v: None, x)
+        return vjpmpi.wait(p)
+
+    def outer_callback(x):  # (the start in a nested jit, the callback outside it)
+        y = jax.jit(started)(x)
+        return jax.pure_callback(lambda v: v, jax.ShapeDtypeStruct(x.shape, x.dtype), y)
+
+    assert _own(started, x) == [0]
+    assert _own(lambda x: jax.lax.fori_loop(0, 2, lambda i, c: started(c), x), x) == [0]
+    assert _own(with_callback, x) == [1]
+    assert _own(outer_callback, x) == [1]
+    for f in (started, with_callback, outer_callback):
+        _same(jax.jit(f)(x), want, f.__name__)
+
+    def fails(x):  # (a callback that raises while the started call is in flight)
+        p = vjpmpi.start(vjpmpi.sendrecv, x, x * 2, prv, nxt, sendtag=3, recvtag=3)
+        bad = jax.pure_callback(_raise, jax.ShapeDtypeStruct((), x.dtype), x.sum(),
+                                vmap_method="sequential")
+        return vjpmpi.wait(p) + bad
+
+    assert _own(fails, x) == [1]
+    before = _started()
+    with pytest.raises(Exception, match="stopped by the test"):
+        jax.jit(fails)(x).block_until_ready()
+    assert _started() == before + 1  # (its call is left: it holds buffers of its own)
+    _STOPPED[0] += 1
+    vjpmpi.barrier()  # (every rank's run stopped; its started call's messages went)
+    _same(jax.jit(started)(x * 3), np.asarray(jax.jit(_ring)(x * 3)), "after the stopped run")
+
+
+def _raise(v):
+    raise RuntimeError("stopped by the test")
+
+
+@pytest.mark.skipif(size < 2, reason="needs a second rank")
+def test_a_failed_run_lets_its_started_messages_end_first():
+    """A direct started receive (MPI writes into XLA's buffer) whose run fails before its
+    wait: the failure returns only once the message has arrived, so that MPI is done with
+    the buffer before XLA frees it. Rank 1 sends the started call's message half a second
+    after the failing one (a truncated receive on rank 0); rank 0's error comes after
+    it. Ranks above 1 take no part."""
+    def f(x):
+        p = vjpmpi.start(vjpmpi.recv, jnp.zeros(5), 1, tag=11)
+        short = vjpmpi.recv(jnp.zeros(5), 1, tag=12)
+        return vjpmpi.wait(p) + short.sum() + x
+
+    if rank == 0:
+        assert _own(f, jnp.zeros(5)) == [0]  # (compiled before the clock starts)
+    vjpmpi.barrier()
+    if rank == 0:
+        t0 = time.perf_counter()
+        with pytest.raises(Exception, match=r"vjpmpi\.recv.*(MPI_Recv|VJPMPI_CHECK)"):
+            jax.jit(f)(jnp.zeros(5)).block_until_ready()
+        took = time.perf_counter() - t0
+        assert took > 0.4, f"the failure returned {took:.3f} s after the call"
+    elif rank == 1:
+        vjpmpi.send(jnp.ones(10), 0, tag=12)
+        time.sleep(0.5)
+        vjpmpi.send(jnp.full(5, 7.0), 0, tag=11)
+    assert _started() == 0
+    vjpmpi.barrier()
 
 
 def test_started_receive_of_a_longer_message_says_what_arrived():
@@ -358,7 +455,7 @@ def test_started_receive_of_a_longer_message_says_what_arrived():
                              r"bytes\).*MPI_Irecv failed: .*[Tt]runcat", text), text
     elif rank == 1:
         vjpmpi.send(jnp.ones(10), 0, tag=9)
-    assert _kernels.cpu._started_calls() == 0
+    assert _started() == 0
     vjpmpi.barrier()
     x = _x(22)
     f = jax.jit(lambda x: vjpmpi.wait(vjpmpi.start(vjpmpi.sendrecv, x, x * 2, prv, nxt,
@@ -372,8 +469,6 @@ def test_eager_start_starts():
     messages MPI sends by rendezvous (16 MiB; the eager start used to make the whole
     blocking send first, and two ranks each waited in their send for ever), in a ring
     with rank-dependent data, three times (the started calls' slots are reused)."""
-    from vjpmpi import _kernels
-
     n = 4 << 20  # float32: 16 MiB
     for it in range(3):
         x = jnp.full(n, float(rank + 10 * it), jnp.float32)
@@ -390,7 +485,7 @@ def test_eager_start_starts():
     with jax.disable_jit():  # (the same programs: compiled whatever the setting)
         s = vjpmpi.start(vjpmpi.sendrecv, x[:8], jnp.zeros(8, jnp.float32), prv, nxt)
         np.testing.assert_array_equal(np.asarray(vjpmpi.wait(s)), prv + 20)
-    assert _kernels.cpu._started_calls() == 0
+    assert _started() == 0
 
 
 def test_fenced_computation_is_scheduled_between_start_and_wait():
@@ -411,7 +506,7 @@ def test_fenced_computation_is_scheduled_between_start_and_wait():
     names = [i.name for i in comps[entry]]
     kinds = {i.name: (i.target or i.opcode) for i in comps[entry]}
     start = next(n for n in names if kinds[n] == "vjpmpi_sendrecv_start")
-    wait = next(n for n in names if kinds[n] == "vjpmpi_wait")
+    wait = next(n for n in names if kinds[n] == "vjpmpi_wait_sendrecv")
     between = [n for n in names[names.index(start) + 1:names.index(wait)]
                if kinds[n] == "fusion"]
     assert between, [(n, kinds[n]) for n in names]

@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "async.h"
+#include "runtime.h"
 
 namespace vjpmpi {
 
@@ -253,12 +254,51 @@ void ForgetStarted(const Started& s) {
 // its buffers (its poll holds them) until MPI is done with them. (A run stopped by
 // something other than a vjpmpi call, such as a host callback that raised, leaves its
 // started calls here: they hold their buffers' memory, and nothing else.)
+//
+// A direct call (XLA's buffers) is settled first: XLA frees the run's buffers once the
+// failure has returned, and MPI must be done with them by then. Its messages are tested
+// here until they are done (the ranks' other started calls of the run were posted too, in
+// the same order, so they pair); where they are not within kSettleSeconds, the job ends
+// rather than let MPI write into freed memory.
 void ForgetRun(int64_t run) {
   if (run == 0) return;  // (eager starts: each waited for by a program of its own)
-  StartedCalls& t = TheStartedCalls();
-  std::lock_guard<std::mutex> lock(t.mutex);
-  for (auto it = t.calls.begin(); it != t.calls.end();) {
-    it = std::get<2>(it->first) == run ? t.calls.erase(it) : std::next(it);
+  std::vector<std::shared_ptr<Started>> direct;
+  {
+    StartedCalls& t = TheStartedCalls();
+    std::lock_guard<std::mutex> lock(t.mutex);
+    for (auto it = t.calls.begin(); it != t.calls.end();) {
+      if (std::get<2>(it->first) != run) {
+        ++it;
+        continue;
+      }
+      if (it->second->direct) direct.push_back(it->second);
+      it = t.calls.erase(it);
+    }
+  }
+  constexpr double kSettleSeconds = 30;
+  for (const auto& s : direct) {
+    const auto until = std::chrono::steady_clock::now() +
+                       std::chrono::duration<double>(kSettleSeconds);
+    for (;;) {
+      bool end = false, posted = false;
+      {
+        std::lock_guard<std::mutex> lock(s->test_mutex);
+        posted = static_cast<bool>(s->test);
+        end = s->settled || (posted && s->test());
+      }
+      if (!end && !posted) {  // (not posted: ended already, or its post still to come)
+        std::lock_guard<std::mutex> lock(s->mutex);
+        end = s->done;
+      }
+      if (end) break;
+      if (std::chrono::steady_clock::now() > until) {
+        AbortWith("vjpmpi.start: a started call's messages were still in flight " +
+                      std::to_string(static_cast<int>(kSettleSeconds)) +
+                      " s after a later vjpmpi call of the same program failed",
+                  " (MPI would write into the program's buffers after XLA frees them)");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
   }
 }
 

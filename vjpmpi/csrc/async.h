@@ -96,9 +96,9 @@ int ThreadLevel();
 // with one rank in MPI_Allreduce and another in MPI_Iallreduce); their algorithms
 // differ too (MPICH's MPI_Ireduce_scatter_block sums in another order at 4 ranks).
 //
-// While a started call (vjpmpi.start) has not finished on the communicator's thread,
-// every later call on that communicator goes there too, behind it: MPI then sees the
-// calls in the program's order.
+// While a started call (vjpmpi.start) posted on the communicator's thread (not a direct
+// one: XLA's thread posts those) has not finished there, every later call on that
+// communicator goes there too, behind it: MPI then sees the calls in the program's order.
 inline bool GoesAsync(size_t moved, const CommEntry& ce) {
   if (ce.started.load(std::memory_order_acquire) > 0) return true;
   int64_t limit = AsyncBytes().load(std::memory_order_relaxed);
@@ -108,11 +108,16 @@ inline bool GoesAsync(size_t moved, const CommEntry& ce) {
 }
 
 // ------------------------------------------------------------ started calls --
-// vjpmpi.start / vjpmpi.wait: a point-to-point call split in two custom calls. The
-// start copies the array it sends into a buffer of its own and posts the call to the
-// communicator's thread, which receives into another; the wait copies the array
-// received into XLA's result. XLA's buffers are never touched after the start has
-// returned, so a program that stops between the two (an error) leaves nothing
+// vjpmpi.start / vjpmpi.wait: a point-to-point call split in two custom calls. A direct
+// call (a compiled program in which only vjpmpi calls can stop the run) posts its
+// messages on XLA's thread, straight from XLA's buffers: the array sent is an operand of
+// the wait and the buffer received into a result of the start that the wait's result
+// aliases, so XLA keeps both until the wait, and a failing vjpmpi call between the two
+// lets the messages end before its run stops (ForgetRun). Any other started call copies
+// the array it sends into a buffer of its own and posts the call to the communicator's
+// thread, which receives into another; the wait copies the array received into XLA's
+// result: XLA's buffers are never touched after the start has returned, so a program that
+// something else stops between the two (a host callback that raised) leaves nothing
 // reading or writing them. A call is named by (communicator, slot, run): the slot is
 // the start's, fixed when the program was traced, and its wait carries the same one;
 // the run is XLA's id of the program's execution, so that two runs of one program (two
@@ -126,8 +131,16 @@ std::vector<unsigned char> TakeBuffer(size_t bytes, bool zero);
 // A finished started call's buffer, kept for the next (a few, up to 1 GiB in all).
 void GiveBuffer(std::vector<unsigned char>&& buffer);
 
+struct Posted;  // (p2p.h)
+
 struct Started {
   std::tuple<int64_t, int64_t, int64_t> key;  // (comm, slot, run)
+  // `direct`: MPI reads and writes XLA's own buffers, which the program keeps for the wait
+  // (the array sent is the wait's operand, the one received the start's result that the
+  // wait's aliases); else the buffers below, copied from and into XLA's (an eager start, a
+  // device call, or a program with a host callback or another library's custom call:
+  // something that can stop the run with XLA's buffers freed while MPI still uses them).
+  bool direct = false;
   std::vector<unsigned char> send, recv;
   ~Started() {
     GiveBuffer(std::move(send));
@@ -139,6 +152,17 @@ struct Started {
   std::string error;
   std::function<void()> then;  // the wait's completion, where the wait came first
 
+  // Its posted messages, tested by one thread at a time (the communicator's thread's
+  // poll, the wait, or a failed run's settling; under `test_mutex`).
+  std::mutex test_mutex;
+  std::shared_ptr<Posted> req;   // (null until posted)
+  Call test_call{};              // the call, its dimensions kept here
+  std::vector<int64_t> test_dims, test_dims2;
+  bool settled = false;          // its messages are done (and Finish has run)
+  bool polled = false;           // the communicator's thread polls it
+  // (under test_mutex, once posted) test its messages once; true once they are done
+  std::function<bool()> test;
+
   // (on the communicator's thread, or in the start where MPI cannot take the call
   // there; the first end counts)
   void Finish(std::string e);
@@ -148,7 +172,8 @@ struct Started {
 std::shared_ptr<Started> NewStarted(int64_t comm, int64_t slot, int64_t run);
 // A start that failed: its run stops, and no wait will take its call.
 void ForgetStarted(const Started& s);
-// A vjpmpi call of run `run` failed: the run stops, and its started calls go.
+// A vjpmpi call of run `run` failed: the run stops, and its started calls go (a direct
+// one once its messages are done: XLA frees the run's buffers when the failure returns).
 void ForgetRun(int64_t run);
 // How many started calls wait for their wait (for the tests).
 int64_t StartedCount();

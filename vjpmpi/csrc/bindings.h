@@ -232,64 +232,90 @@ auto RaggedBinding() {
       .template Attr<int64_t>("groups");  // the packed forms' segments
 }
 
-// vjpmpi.start of a point-to-point call: (its arrays, token) -> token. The call runs on
-// the communicator's thread between buffers of its own (Started); `slot` names it for
-// its wait.
+// vjpmpi.start of a point-to-point call: (its arrays, token) -> ([r,] token), r the
+// buffer the array received lands in (a direct call's; the wait's result aliases it).
+// `slot` names the call for its wait; `own`: the call between buffers of its own, copied
+// from and into XLA's (Started).
+inline std::shared_ptr<Started> StartedFor(ffi::Span<const int64_t> call, int64_t slot,
+                                           ffi::RunId run, int64_t own) {
+  auto s = NewStarted(CommOf(call), slot, StartedRun(slot, run.run_id));
+  s->direct = own == 0 && slot >= 0;  // (an eager start's buffers are its program's)
+  return s;
+}
 template <typename B>
 Res<B> SendStartImpl(CtxOf<B> ctx, ffi::RunId run, ffi::AnyBuffer x, ffi::Token,
-                     ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS, int64_t slot) {
-  return SendH<B::kAsync>(B::MakeMem(ctx), x, VJPMPI_ATTRS_OF,
-                          NewStarted(CommOf(call), slot, StartedRun(slot, run.run_id)));
+                     ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS, int64_t slot, int64_t own) {
+  return SendH<B::kAsync>(B::MakeMem(ctx), x, VJPMPI_ATTRS_OF, StartedFor(call, slot, run, own));
 }
 template <typename B>
-Res<B> RecvStartImpl(CtxOf<B> ctx, ffi::RunId run, ffi::AnyBuffer x, ffi::Token,
-                     ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS, int64_t slot) {
-  return RecvH<B::kAsync>(B::MakeMem(ctx), x, nullptr, VJPMPI_ATTRS_OF,
-                          NewStarted(CommOf(call), slot, StartedRun(slot, run.run_id)));
+auto SendStartBinding() {  // (x, token) -> token
+  return ArgBinding<B>().template Attr<int64_t>("slot").template Attr<int64_t>("own");
 }
 template <typename B>
-auto StartBinding() {  // (x, token) -> token
-  return ArgBinding<B>().template Attr<int64_t>("slot");  // the call, for its wait
+Res<B> RecvStartImpl(CtxOf<B> ctx, ffi::RunId run, ffi::AnyBuffer tmpl, ffi::Token,
+                     ffi::Result<ffi::AnyBuffer> r, ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS,
+                     int64_t slot, int64_t own) {
+  return RecvH<B::kAsync>(B::MakeMem(ctx), tmpl, r->untyped_data(), VJPMPI_ATTRS_OF,
+                          StartedFor(call, slot, run, own));
+}
+template <typename B>
+auto RecvStartBinding() {  // (template, token) -> (r, token)
+  return UnaryBinding<B>().template Attr<int64_t>("slot").template Attr<int64_t>("own");
 }
 template <typename B>
 Res<B> SendrecvStartImpl(CtxOf<B> ctx, ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer tmpl,
-                         ffi::Token, ffi::Result<ffi::Token>, VJPMPI_ATTR_PARAMS,
-                         int64_t slot) {
-  return SendrecvH<B::kAsync>(B::MakeMem(ctx), x, tmpl, nullptr, VJPMPI_ATTRS_OF,
-                              NewStarted(CommOf(call), slot, StartedRun(slot, run.run_id)));
+                         ffi::Token, ffi::Result<ffi::AnyBuffer> r, ffi::Result<ffi::Token>,
+                         VJPMPI_ATTR_PARAMS, int64_t slot, int64_t own) {
+  return SendrecvH<B::kAsync>(B::MakeMem(ctx), x, tmpl, r->untyped_data(), VJPMPI_ATTRS_OF,
+                              StartedFor(call, slot, run, own));
 }
 template <typename B>
-auto SendrecvStartBinding() {  // (x, template, token) -> token
-  return WithAttrs(Bind<B>()
-                       .template Arg<ffi::AnyBuffer>()
-                       .template Arg<ffi::AnyBuffer>()
-                       .template Arg<ffi::Token>()
-                       .template Ret<ffi::Token>())
-      .template Attr<int64_t>("slot");
+auto SendrecvStartBinding() {  // (x, template, token) -> (r, token)
+  return BinaryBinding<B>().template Attr<int64_t>("slot").template Attr<int64_t>("own");
 }
 
-// vjpmpi.wait: token -> (y, token), the array the started call (comm, slot) received;
-// a send's: token -> token (no backend context: host memory).
-inline ffi::Future WaitImpl(ffi::RunId run, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
-                            ffi::Result<ffi::Token>, int64_t comm, int64_t slot) {
+// vjpmpi.wait: (the arrays the call uses, token) -> ([y,] token): the arrays are the
+// array sent (kept by XLA until here) and the start's r (y aliases it); no backend
+// context (host memory).
+inline ffi::Future WaitImpl(ffi::RunId run, ffi::AnyBuffer, ffi::Token,
+                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                            int64_t comm, int64_t slot) {
   return WaitFor(comm, slot, StartedRun(slot, run.run_id), y->untyped_data(), y->size_bytes());
 }
-inline auto WaitBinding() {
+inline auto WaitBinding() {  // recv: (r, token) -> (y, token); a send: (x, token) -> token
   return ffi::Ffi::Bind()
       .Ctx<ffi::RunId>()
+      .Arg<ffi::AnyBuffer>()  // r
       .Arg<ffi::Token>()      // ordering token
       .Ret<ffi::AnyBuffer>()  // y
       .Ret<ffi::Token>()      // ordering token
       .Attr<int64_t>("comm")  // vjpmpi's number of the communicator
       .Attr<int64_t>("slot");  // the started call
 }
-inline ffi::Future WaitSendImpl(ffi::RunId run, ffi::Token, ffi::Result<ffi::Token>,
-                                int64_t comm, int64_t slot) {
-  return WaitFor(comm, slot, StartedRun(slot, run.run_id), nullptr, 0);
+inline ffi::Future WaitSendrecvImpl(ffi::RunId run, ffi::AnyBuffer, ffi::AnyBuffer, ffi::Token,
+                                    ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                                    int64_t comm, int64_t slot) {
+  return WaitFor(comm, slot, StartedRun(slot, run.run_id), y->untyped_data(), y->size_bytes());
 }
-inline auto WaitSendBinding() {
+inline auto WaitSendrecvBinding() {  // (x, r, token) -> (y, token)
   return ffi::Ffi::Bind()
       .Ctx<ffi::RunId>()
+      .Arg<ffi::AnyBuffer>()  // x
+      .Arg<ffi::AnyBuffer>()  // r
+      .Arg<ffi::Token>()
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::Token>()
+      .Attr<int64_t>("comm")
+      .Attr<int64_t>("slot");
+}
+inline ffi::Future WaitSendImpl(ffi::RunId run, ffi::AnyBuffer, ffi::Token,
+                                ffi::Result<ffi::Token>, int64_t comm, int64_t slot) {
+  return WaitFor(comm, slot, StartedRun(slot, run.run_id), nullptr, 0);
+}
+inline auto WaitSendBinding() {  // (x, token) -> token
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::RunId>()
+      .Arg<ffi::AnyBuffer>()
       .Arg<ffi::Token>()
       .Ret<ffi::Token>()
       .Attr<int64_t>("comm")

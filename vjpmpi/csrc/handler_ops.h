@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,7 +55,7 @@ Result<Async> Unary(Mem mem, const char* name, ffi::AnyBuffer x, ffi::Result<ffi
 }
 
 // (x, token) -> token
-// (`started`: the array sent is copied into its buffer, and the call goes there)
+// (`started`: the array sent is copied into its buffer, unless it is direct)
 template <bool Async, typename Mem>
 Result<Async> SendH(Mem mem, ffi::AnyBuffer x, const Attrs& a,
                     std::shared_ptr<Started> started = nullptr) {
@@ -63,7 +64,7 @@ Result<Async> SendH(Mem mem, ffi::AnyBuffer x, const Attrs& a,
   if (c.kind == Kind::kUnsupported) return Finish<Async>(Unsupported("send"));
   c.count = c.count2 = x.element_count();
   SetDims(x.dimensions(), 0, &c.dims, &c.ndim);
-  const void* xp = started ? Keep(started->send, x) : x.untyped_data();
+  const void* xp = started && !started->direct ? Keep(started->send, x) : x.untyped_data();
   size_t xb = x.size_bytes();
   return Run<Async>(mem, c, a, false, xb, Ok, [=](Mem& mem, const Call& c) {
     const void* in = mem.In(xp, xb);
@@ -75,7 +76,8 @@ Result<Async> SendH(Mem mem, ffi::AnyBuffer x, const Attrs& a,
 }
 
 // (x, template, token) -> (y, token), a receive into y; `started`: into its buffer (which
-// holds the template where nothing arrives, from MPI_PROC_NULL).
+// holds the template where nothing arrives, from MPI_PROC_NULL), or, direct, into y (the
+// start's result).
 template <bool Async, typename Mem>
 Result<Async> RecvH(Mem mem, ffi::AnyBuffer tmpl, void* yp, const Attrs& a,
                     std::shared_ptr<Started> started = nullptr) {
@@ -87,7 +89,9 @@ Result<Async> RecvH(Mem mem, ffi::AnyBuffer tmpl, void* yp, const Attrs& a,
   SetDims(tmpl.dimensions(), 0, &c.dims2, &c.ndim2);
   size_t yb = tmpl.size_bytes();
   const void* tp = tmpl.untyped_data();
-  if (started) tp = yp = Receive(started->recv, tmpl, c.peer2 == MPI_PROC_NULL);
+  if (started && !started->direct) {
+    tp = yp = Receive(started->recv, tmpl, c.peer2 == MPI_PROC_NULL);
+  }
   return Run<Async>(mem, c, a, false, yb, Ok, [=](Mem& mem, const Call& c) {
     mem.In(tp, yb);  // (staged where memory is: nothing arrives from MPI_PROC_NULL)
     void* out = mem.Out(yp, yb);
@@ -112,9 +116,10 @@ Result<Async> SendrecvH(Mem mem, ffi::AnyBuffer x, ffi::AnyBuffer tmpl, void* yp
   c.count2 = tmpl.element_count();
   SetDims(x.dimensions(), 0, &c.dims, &c.ndim);
   SetDims(tmpl.dimensions(), 0, &c.dims2, &c.ndim2);
-  const void* xp = started ? Keep(started->send, x) : x.untyped_data();
+  const bool own = started && !started->direct;  // (else y is the start's result)
+  const void* xp = own ? Keep(started->send, x) : x.untyped_data();
   const void* tp = tmpl.untyped_data();
-  if (started) tp = yp = Receive(started->recv, tmpl, c.peer2 == MPI_PROC_NULL);
+  if (own) tp = yp = Receive(started->recv, tmpl, c.peer2 == MPI_PROC_NULL);
   size_t xb = x.size_bytes(), tb = tmpl.size_bytes(), yb = tmpl.size_bytes();
   return Run<Async>(mem, c, a, false, std::max(xb, yb), Ok, [=](Mem& mem, const Call& c) {
     const void* in = mem.In(xp, xb);
@@ -263,8 +268,15 @@ Result<Async> RaggedH(Mem mem, ffi::AnyBuffer a0, ffi::AnyBuffer a1, ffi::AnyBuf
   });
 }
 
-// vjpmpi.wait: token -> (y, token), the array the started call (comm, slot) received,
-// once it has; a send's: token -> token. The future completes when the call has ended.
+// How long a wait tests its call's messages itself before it hands them to the
+// communicator's thread (and XLA's thread to the program's other work): what a small
+// message takes to arrive, without the hand-offs.
+inline constexpr auto kWaitSpin = std::chrono::microseconds(500);
+
+// vjpmpi.wait: the started call (comm, slot) ended: (its arrays, token) -> (y, token), y
+// the array received (a direct call's: in place, y aliasing the start's result; else
+// copied from the call's buffer); a send's: (x, token) -> token. The future completes when
+// the call has ended.
 inline ffi::Future WaitFor(int64_t comm, int64_t slot, int64_t run, void* y, size_t yb) {
   ffi::Promise promise;
   ffi::Future future(promise);
@@ -273,11 +285,11 @@ inline ffi::Future WaitFor(int64_t comm, int64_t slot, int64_t run, void* y, siz
     if (!s->error.empty()) {
       ForgetRun(run);
       promise.SetError(ffi::Error::Internal(s->error));
-    } else if (s->recv.size() != yb) {
+    } else if (!s->direct && s->recv.size() != yb) {
       promise.SetError(ffi::Error::Internal("vjpmpi.wait: the started call's result does not "
                                             "have the size of the wait's (a vjpmpi bug)"));
     } else {
-      if (yb) HostCopy(y, s->recv.data(), yb);
+      if (!s->direct && yb) HostCopy(y, s->recv.data(), yb);
       promise.SetAvailable();
     }
   };
@@ -286,6 +298,17 @@ inline ffi::Future WaitFor(int64_t comm, int64_t slot, int64_t run, void* y, siz
         "vjpmpi.wait: no started call to wait for (an earlier vjpmpi call of this run "
         "failed, or its start did not run: a vjpmpi bug)"));
     return future;
+  }
+  const auto until = std::chrono::steady_clock::now() + kWaitSpin;
+  for (;;) {  // (tested here a while: most messages are done by now, or soon)
+    {
+      std::lock_guard<std::mutex> lock(s->test_mutex);
+      if (s->settled || !s->test || s->test()) break;
+    }
+    if (std::chrono::steady_clock::now() > until) {
+      PollStarted(s);
+      break;
+    }
   }
   std::unique_lock<std::mutex> lock(s->mutex);
   if (s->done) {

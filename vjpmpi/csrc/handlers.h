@@ -233,7 +233,11 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
   if (e.empty()) e = prepare();
   if constexpr (Async) {  // (started calls exist where calls may run asynchronously)
   if (e.empty() && started) {
-    if (ThreadMultiple()) {
+    // A direct call posts its messages here, on XLA's thread (nothing to copy first, and
+    // no hand-off to wait for), unless started calls of this communicator are still to be
+    // posted on its thread (they come first).
+    const bool here = started->direct && ce->started.load(std::memory_order_acquire) == 0;
+    if (ThreadMultiple() && !here) {
       ce->started.fetch_add(1, std::memory_order_acq_rel);
       rt->async_calls.fetch_add(1, std::memory_order_relaxed);
       std::vector<int64_t> dims(c.dims, c.dims + c.ndim), dims2(c.dims2, c.dims2 + c.ndim2);
@@ -246,8 +250,9 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
         if (!e.empty()) ForgetRun(a.run);
         if (!started->posted || !e.empty()) started->Finish(std::move(e));
       });
-    } else {
-      started->Finish(Tail(*rt, mem, c, a, ce, collective, body));
+    } else {  // (here, or below MPI_THREAD_MULTIPLE: the start makes the whole call)
+      std::string e = Tail(*rt, mem, c, a, ce, collective, body);
+      if (!started->posted || !e.empty()) started->Finish(std::move(e));
     }
     return Finish<Async>(std::string());
   }
@@ -298,33 +303,72 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
 
 inline std::string Ok() { return {}; }
 
-// The MPI calls of a started call (vjpmpi.start), on the communicator's thread: its
-// messages posted (Post), then polled there between the thread's jobs until they are
-// done, which ends `started`. Where there is no such thread (MPI below
-// MPI_THREAD_MULTIPLE: the start makes the whole call), `blocking()`.
+// (under s.test_mutex) Tests a started call's posted messages once; true once they are
+// done (it has ended then: its watch goes, and Finish completes its wait).
+inline bool TestStarted(Started& s, uint64_t watch) {
+  if (s.settled) return true;
+  bool done = false;
+  std::string e = TestPosted(s.test_call, s.req.get(), &done);
+  if (!done) return false;
+  s.settled = true;
+  Unwatch(runtime, watch);
+  s.Finish(std::move(e));
+  return true;
+}
+
+// Has the communicator's thread poll the started call between its jobs until it is done,
+// if it does not yet (on that thread: from now).
+inline void PollStarted(const std::shared_ptr<Started>& started) {
+  {
+    std::lock_guard<std::mutex> lock(started->test_mutex);
+    if (started->polled || started->settled) return;
+    started->polled = true;
+  }
+  auto poll = [started]() {  // (busy: another thread tests it; next round)
+    std::unique_lock<std::mutex> lock(started->test_mutex, std::try_to_lock);
+    return lock.owns_lock() && started->test();
+  };
+  if (CommThread* thread = CurrentCommThread()) {
+    thread->AddPoll(std::move(poll));
+  } else {
+    PostOn(std::get<0>(started->key),
+           [poll]() mutable { CurrentCommThread()->AddPoll(std::move(poll)); });
+  }
+}
+
+// A started call moving more than this is polled by the communicator's thread from its
+// start (a large message moves only while a thread tests it); a smaller one goes in one
+// piece (MPI's eager protocol), and its wait tests it first.
+inline constexpr size_t kPollFromStartBytes = size_t{1} << 16;
+
+// The MPI calls of a started call (vjpmpi.start): its messages posted (Post), then tested
+// until they are done, which ends `started`. Posted on the communicator's thread, or, a
+// direct call (XLA's buffers), on XLA's thread; the communicator's thread polls it (a
+// large one from the start, a small one where its wait finds it not done). Where MPI is
+// below MPI_THREAD_MULTIPLE, `blocking()` (the start makes the whole call).
 template <typename Blocking>
 std::string PostStarted(const Call& c, const void* send, void* recv,
                         const std::shared_ptr<Started>& started, Blocking blocking) {
   CommThread* thread = CurrentCommThread();
-  if (thread == nullptr) return blocking();
+  if (thread == nullptr && !(started->direct && ThreadMultiple())) return blocking();
   auto posted = std::make_shared<Posted>();
   std::string e = Post(c, send, recv, posted.get());
   if (!e.empty()) return e;
   started->posted = true;
-  Runtime* rt = &runtime;
-  std::vector<int64_t> dims(c.dims, c.dims + c.ndim), dims2(c.dims2, c.dims2 + c.ndim2);
-  uint64_t watch = WatchCall(*rt, c.op, c.site, c.comm);  // (until its messages are done)
-  thread->AddPoll([c = Call(c), posted, started, rt, watch, dims = std::move(dims),
-                   dims2 = std::move(dims2)]() mutable {
-    c.dims = dims.data();
-    c.dims2 = dims2.data();
-    bool done = false;
-    std::string e = TestPosted(c, posted.get(), &done);
-    if (!done) return false;
-    Unwatch(*rt, watch);
-    started->Finish(std::move(e));
-    return true;
-  });
+  const uint64_t watch = WatchCall(runtime, c.op, c.site, c.comm);  // (until they are done)
+  {
+    std::lock_guard<std::mutex> lock(started->test_mutex);
+    started->test_dims.assign(c.dims, c.dims + c.ndim);
+    started->test_dims2.assign(c.dims2, c.dims2 + c.ndim2);
+    started->test_call = c;
+    started->test_call.dims = started->test_dims.data();
+    started->test_call.dims2 = started->test_dims2.data();
+    started->req = posted;
+    Started* s = started.get();  // (the function is its own: it never outlives it)
+    started->test = [s, watch]() { return TestStarted(*s, watch); };
+  }
+  const size_t bytes = std::max(c.count, c.count2) * ByteSize(c.kind);
+  if (thread != nullptr || bytes > kPollFromStartBytes) PollStarted(started);
   return {};
 }
 

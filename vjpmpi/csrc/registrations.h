@@ -60,10 +60,11 @@ std::vector<Registration> Registrations() {
   if constexpr (B::kAsync) {
     add("ragged_alltoall_dev", &Entry<&DevRaggedImpl<B>, &DevRaggedBinding<B>>);
     add("ragged_alltoall", &Entry<&RaggedImpl<B>, &RaggedBinding<B>>);
-    add("send_start", &Entry<&SendStartImpl<B>, &StartBinding<B>>);
-    add("recv_start", &Entry<&RecvStartImpl<B>, &StartBinding<B>>);
+    add("send_start", &Entry<&SendStartImpl<B>, &SendStartBinding<B>>);
+    add("recv_start", &Entry<&RecvStartImpl<B>, &RecvStartBinding<B>>);
     add("sendrecv_start", &Entry<&SendrecvStartImpl<B>, &SendrecvStartBinding<B>>);
     add("wait", &Entry<&WaitImpl, &WaitBinding>);
+    add("wait_sendrecv", &Entry<&WaitSendrecvImpl, &WaitSendrecvBinding>);
     add("send_start_dev", &Entry<&DevSendStartImpl<B>, &DevStartBinding<B>>);
     add("recv_start_dev", &Entry<&DevRecvStartImpl<B>, &DevStartBinding<B>>);
     add("sendrecv_start_dev", &Entry<&DevSendrecvStartImpl<B>, &DevSendrecvStartBinding<B>>);
