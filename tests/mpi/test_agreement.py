@@ -17,8 +17,12 @@ collective (it ran the program before) is in tests/test_reliability.py.
 """
 
 import functools
+import os
 import re
+import signal
+import subprocess
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -293,14 +297,24 @@ def test_refusal_skipped_by_the_others_leaves_them_in_step(comm):
     in_step(comm)
 
 
+@pytest.mark.parametrize("stalled", [False, True], ids=["together", "rank0_stalled"])
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
-def test_refusal_then_another_collective_at_once_ends_in_step(comm, jitted):
+def test_refusal_then_another_collective_at_once_ends_in_step(comm, jitted, stalled):
     """Every rank calls a gatherv whose root passes capacity=-1, then at once an
     allreduce, each in try/except (issue 60, item 6): the root refuses at trace time and
     goes on; the others stop in the gatherv with the root's message, not with a mismatch
     against the root's allreduce, and every allreduce pairs with every other (the others'
-    used to wait in theirs for ever, the root's having been taken for the gatherv's)."""
+    used to wait in theirs for ever, the root's having been taken for the gatherv's).
+    `stalled`: the root, a second after the others went into the gatherv, stops rank 0's
+    process there (SIGSTOP) for half a second before it refuses. At 3 ranks and more,
+    another rank then stops in the gatherv and runs its allreduce while rank 0 still waits
+    in the gatherv: it must wait for rank 0 to leave it, not take rank 0's gatherv for a
+    mismatch (it used to raise alone and wait in the agreement's barrier while the others
+    ran their allreduce: a hang that CI met by chance, issue 61)."""
     root = last
+    pid0 = WORLD.bcast(os.getpid(), root=0)
+    if stalled and len(set(WORLD.allgather(MPI.Get_processor_name()))) > 1:
+        pytest.skip("the ranks are on several machines: rank 0 cannot be stopped from the root")
     x = to_device(np.arange(4.0) + rank)
     gatherv = functools.partial(vjpmpi.gatherv, root=root, comm=comm,
                                 capacity=-1 if rank == root else 2 * size)
@@ -308,8 +322,12 @@ def test_refusal_then_another_collective_at_once_ends_in_step(comm, jitted):
     if jitted:
         gatherv, allreduce = jax.jit(gatherv), jax.jit(allreduce)
     message = r"vjpmpi\.gatherv: argument 'capacity'=-1 must be in 0\.\.2\*\*31 - 1"
-    errors, sums = [], []
+    errors, sums, resumes = [], [], []
     for _ in range(2):  # (twice: again on a communicator whose programs ran before)
+        if stalled and rank == root:
+            time.sleep(1.0)  # (the others are in the gatherv by now)
+            os.kill(pid0, signal.SIGSTOP)  # (the job's own rank 0, by its id)
+            resumes.append(subprocess.Popen(["sh", "-c", f"sleep 0.5; kill -CONT {pid0}"]))
         try:
             jax.block_until_ready(gatherv(x, 2))
         except ValueError as err:
@@ -318,6 +336,7 @@ def test_refusal_then_another_collective_at_once_ends_in_step(comm, jitted):
             sums.append(np.asarray(allreduce(x)))
         except ValueError as err:
             sums.append(str(err))
+    assert all(r.wait() == 0 for r in resumes)
     assert len(errors) == 2, errors
     for text in errors:
         assert re.search(message, text), text

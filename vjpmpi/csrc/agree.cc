@@ -355,6 +355,8 @@ std::string AwaitOpening(Runtime& rt, CommEntry& e, const Call& c) {
         }
         // (a rank gone since its refusal goes on nowhere: no second to wait)
         if (refuses && (h.finalized || refused.Settled(q, h.refused, now))) {
+          e.told_k = e.count + 1;
+          e.told = h.refused;
           return RefusedError(q, h.refused, "the first collective on a communicator of " +
                                                       std::to_string(e.size) + " ranks");
         }
@@ -549,6 +551,8 @@ std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine,
   bool late = false, warned = false;
   RefusalSeen seen;
   Refusal note{};
+  // (a peer's refusal stopped this rank in collective #k before: this is its next call)
+  const Refusal* told = ce.told_k == k ? &ce.told : nullptr;
   while (waiting > 0 && !late) {
     bool progress = false;
     for (int q = 0; q < n && !late; ++q) {
@@ -576,6 +580,9 @@ std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine,
           }
           continue;  // (until it stops there, told by this rank's note, and calls again)
         }
+        if (told != nullptr && IsRefusedCall(*told, p.entry) && !IsRefusedCall(*told, mine)) {
+          continue;  // (q still waits in the refused call: it stops there, told as this rank
+        }            // was, and calls again; the refusing rank waits for it too)
         if ((p.entry.flags & kAfterRefusal) && !SameOpAndRoot(p.entry, mine)) {
           Header h{};  // q refused collective #k at trace time and goes on with another call
           if (!ReadPresence(rt, ce, q, &h)) continue;  // (its note stands: read it again)
@@ -667,6 +674,8 @@ std::string Verify(Runtime& rt, CommEntry& ce, Call& c, const Entry& mine,
   }
   if (*refused) {  // (no barrier: the refusing rank never comes)
     int q = static_cast<int>(std::find(state.begin(), state.end(), kRefused) - state.begin());
+    ce.told_k = k;
+    ce.told = note;
     std::string error = RefusedError(q, note, "their collective #" + std::to_string(k) +
                                                         " on a communicator of " +
                                                         std::to_string(n) + " ranks; each rank:" +

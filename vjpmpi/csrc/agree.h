@@ -129,6 +129,11 @@ struct CommEntry {
   int mode = 0;          // this execution: 0 publish only, 1 verify the first, 2 verify all
   uint64_t last_verified = 0;
   std::unordered_set<uint64_t> verified;  // program signatures verified on it
+  // A peer's refusal that stopped this rank in collective #told_k here (RefusedError):
+  // this rank's next call there is #told_k again, and waits for ranks still in the
+  // refused call to stop there too (Verify) rather than take their entry for a mismatch.
+  int64_t told_k = 0;
+  Refusal told{};
   Channel* channel = nullptr;
   // Each rank's place in the default communicator (-1: not in it) and a hash of them,
   // the same on every rank of it (refusal notes name the communicator by it).
