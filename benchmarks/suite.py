@@ -1077,7 +1077,7 @@ def _halo(quick, rows):
                for k, v in t.items()}}
 
 
-ASYNC = "auto"  # the overlapped cases' threshold: the default (64 KiB across nodes)
+ASYNC = "auto"  # the overlapped cases' threshold: the default (1 MiB across nodes)
 
 
 def async_part(quick):
@@ -1085,7 +1085,7 @@ def async_part(quick):
     (shared memory, a jitted loop of dependent allreduces): per call, every call run
     synchronously (threshold None) against the default ("auto": within one node, as
     here, none asynchronous), calls of 64 KiB and more asynchronous (the default across
-    nodes) and every call asynchronous (threshold 0)."""
+    nodes until 1 MiB replaced it) and every call asynchronous (threshold 0)."""
     import jax.numpy as jnp
     import vjpmpi
 
@@ -1122,7 +1122,7 @@ def async_part(quick):
 
 def _default_spans_nodes() -> bool:
     """Whether vjpmpi counts its default communicator's processes as on several nodes
-    (the default threshold then sends calls of 64 KiB and more to its thread)."""
+    (the default threshold then sends calls of 1 MiB and more to its thread)."""
     from vjpmpi import _kernels, _mpi
 
     return bool(_kernels.cpu._spans_nodes(_mpi.as_comm(None, "benchmark").id))
@@ -1463,7 +1463,7 @@ def p2p_part(quick):
         mpi4jax = None
     assert SIZE == 2, "the point-to-point part runs at 2 ranks"
     peer = 1 - RANK
-    reps = 2 if quick else 9
+    reps = 2 if quick else 15  # (15: a sign test can say "slower", run.py at_or_under)
     rows = []
     for nbytes in (P2P_SIZES[:2] if quick else P2P_SIZES):
         n = nbytes // 4
@@ -1553,14 +1553,18 @@ def p2p_part(quick):
             per["m4j_pingpong"] = per["m4j_pingpong"] / 2
         row = {"bytes": nbytes, "iters": iters}
         row.update({k: float(np.median(v)) for k, v in per.items()})
+        def ratio(name, a, b):  # (its median, and in how many repetitions a took longer)
+            row[name] = float(np.median(per[a] / per[b]))
+            row[name + "_slower"] = int(np.sum(per[a] > per[b]))
+
         for k, floor in (("swap", "floor_sendrecv"), ("carry", "floor_sendrecv"),
                          ("started", "floor_sendrecv"), ("pingpong", "floor_pingpong")):
-            row[f"{k}_vs_floor"] = float(np.median(per[k] / per[floor]))
-        row["carry_vs_replace"] = float(np.median(per["carry"] / per["floor_replace"]))
+            ratio(f"{k}_vs_floor", k, floor)
+        ratio("carry_vs_replace", "carry", "floor_replace")
         if mpi4jax is not None:
             for k, other in (("swap", "m4j_swap"), ("carry", "m4j_carry"),
                              ("pingpong", "m4j_pingpong")):
-                row[f"{k}_vs_mpi4jax"] = float(np.median(per[k] / per[other]))
+                ratio(f"{k}_vs_mpi4jax", k, other)
         rows.append(row)
     return {"ranks": SIZE, "reps": reps, "mpi4jax": getattr(mpi4jax, "__version__", None),
             "env": {k: os.environ.get(k) for k in NET_VARS if k in os.environ}, "rows": rows}

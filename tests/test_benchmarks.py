@@ -48,8 +48,9 @@ def test_benchmark_suite_smoke(tmp_path):
     for part in (main, gloo):
         for path, value in numbers(part):
             # (`agreement.window` is a difference of two timings, a first run's less the
-            # next one's: on a busy machine's tiny runs it can come out below zero)
-            assert math.isfinite(value) and (value >= 0 or path.endswith(".window")), (
+            # next one's, and a pipeline's measured `*_bubble` is 1 - alone / pipelined:
+            # on a busy machine's tiny runs either can come out below zero)
+            assert math.isfinite(value) and (value >= 0 or path.endswith((".window", "_bubble"))), (
                 path, value)
     # every latency size, every bandwidth op, every backward op was timed
     assert [r["elements"] for r in main["latency"]] == [1, 16, 256]

@@ -202,7 +202,7 @@ def async_threshold(nbytes: int | str | None):
     On the CPU, such a call's MPI call runs on the communicator's own thread while XLA
     runs the rest of the program that does not wait for its result. Results are the same
     either way; only where the time goes changes. "auto" (the default; VJPMPI_ASYNC_BYTES,
-    read at import, overrides it) is 64 KiB on a communicator whose processes are on more
+    read at import, overrides it) is 1 MiB on a communicator whose processes are on more
     than one node (as MPI_COMM_TYPE_SHARED splits COMM_WORLD) and None on one within a
     node, where nothing overlaps and the thread hand-offs only cost. The setting applies
     to the programs dispatched inside the block, whenever they were compiled: entering and

@@ -10,7 +10,7 @@ the bucketed gradient sync of `vjpmpi.nn` that uses them.
   communicator's thread on some ranks and on XLA's on others makes the same MPI call
   (a hang when it was nonblocking on one thread only); a reduce_scatter where MPICH's
   nonblocking algorithm sums in another order gives the same bits both ways.
-- The default ("auto") follows the node layout: calls of 64 KiB or more are asynchronous
+- The default ("auto") follows the node layout: calls of 1 MiB or more are asynchronous
   on communicators across nodes only (at 4 ranks on two nodes: tests/test_multirank.py).
 - What XLA compiles: an independent computation is scheduled between a call and the
   first use of its result.
@@ -196,7 +196,7 @@ def _node_comms():
 
 
 def test_auto_threshold_follows_the_node_layout():
-    """"auto" (the default): a call of 64 KiB or more runs on the communicator's thread
+    """"auto" (the default): a call of 1 MiB or more runs on the communicator's thread
     where the communicator's processes are on more than one node, none within a node; an
     explicit threshold holds for every communicator. One node in the harness's jobs;
     tests/test_multirank.py runs this at 4 ranks on two (VJPMPI_TEST_NODES=2)."""
@@ -204,10 +204,10 @@ def test_auto_threshold_follows_the_node_layout():
     if os.environ.get("VJPMPI_TEST_NODES"):
         assert nodes == int(os.environ["VJPMPI_TEST_NODES"]), nodes
     auto = _kernels.AUTO_ASYNC_BYTES
-    assert auto == 1 << 16
+    assert auto == 1 << 20
     went = {}
     for name, (c, spans) in comms.items():
-        for n in (auto // 4, auto // 4 - 1):  # float32: 64 KiB, and 4 bytes less
+        for n in (auto // 4, auto // 4 - 1):  # float32: 1 MiB, and 4 bytes less
             x = rng(n).integers(-1000, 1000, n).astype(np.float32)  # (sums exact)
             f = jax.jit(lambda v, c=c: vjpmpi.allreduce(v, MPI.SUM, comm=c))
             for threshold in ("auto", None, 0):

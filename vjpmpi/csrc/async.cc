@@ -69,7 +69,8 @@ void CommThread::Loop(bool communicator) {
                                 [](std::function<bool()>& poll) { return poll(); }),
                  polls_.end());
     misses = polls_.size() < before ? 0 : misses + 1;
-    if (!polls_.empty() && misses > kSpins) {
+    if (!polls_.empty() && misses > kSpins &&
+        AwaitedStarted().load(std::memory_order_relaxed) == 0) {
       int shift = std::min(misses - kSpins, 10);
       std::this_thread::sleep_for(std::chrono::microseconds(std::min(1 << shift, kMaxNapUs)));
     }
@@ -260,6 +261,11 @@ void ForgetStarted(const Started& s) {
 // here until they are done (the ranks' other started calls of the run were posted too, in
 // the same order, so they pair); where they are not within kSettleSeconds, the job ends
 // rather than let MPI write into freed memory.
+std::atomic<int>& AwaitedStarted() {
+  static std::atomic<int> n{0};
+  return n;
+}
+
 void ForgetRun(int64_t run) {
   if (run == 0) return;  // (eager starts: each waited for by a program of its own)
   std::vector<std::shared_ptr<Started>> direct;

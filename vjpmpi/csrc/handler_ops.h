@@ -300,16 +300,25 @@ inline ffi::Future WaitFor(int64_t comm, int64_t slot, int64_t run, void* y, siz
     return future;
   }
   const auto until = std::chrono::steady_clock::now() + kWaitSpin;
+  s->waiting.store(true, std::memory_order_release);
   for (;;) {  // (tested here a while: most messages are done by now, or soon)
     {
       std::lock_guard<std::mutex> lock(s->test_mutex);
       if (s->settled || !s->test || s->test()) break;
     }
     if (std::chrono::steady_clock::now() > until) {
+      {  // (the program now waits for it: its thread polls it without sleeping)
+        std::lock_guard<std::mutex> lock(s->test_mutex);
+        if (!s->settled && s->test && !s->awaited) {
+          s->awaited = true;
+          AwaitedStarted().fetch_add(1, std::memory_order_relaxed);
+        }
+      }
       PollStarted(s);
       break;
     }
   }
+  s->waiting.store(false, std::memory_order_release);
   std::unique_lock<std::mutex> lock(s->mutex);
   if (s->done) {
     lock.unlock();

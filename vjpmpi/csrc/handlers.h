@@ -311,6 +311,7 @@ inline bool TestStarted(Started& s, uint64_t watch) {
   std::string e = TestPosted(s.test_call, s.req.get(), &done);
   if (!done) return false;
   s.settled = true;
+  if (s.awaited) AwaitedStarted().fetch_sub(1, std::memory_order_relaxed);
   Unwatch(runtime, watch);
   s.Finish(std::move(e));
   return true;
@@ -325,6 +326,7 @@ inline void PollStarted(const std::shared_ptr<Started>& started) {
     started->polled = true;
   }
   auto poll = [started]() {  // (busy: another thread tests it; next round)
+    if (started->waiting.load(std::memory_order_acquire)) return false;  // (its wait does)
     std::unique_lock<std::mutex> lock(started->test_mutex, std::try_to_lock);
     return lock.owns_lock() && started->test();
   };

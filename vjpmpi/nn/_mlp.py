@@ -400,7 +400,7 @@ def sync_gradients(model: PyTree, *, mean: bool = True, bucket_bytes: int | None
     buckets of at most `bucket_bytes` (a larger leaf is a bucket of its own; None: one
     per dtype). Each bucket is one allreduce, issued as soon as the backward pass has
     produced its gradients, in the same order on every rank; a bucket of at least the
-    asynchronous threshold (by default 64 KiB on a communicator across nodes:
+    asynchronous threshold (by default 1 MiB on a communicator across nodes:
     vjpmpi.async_threshold) travels while the backward pass goes on. The gradient
     equals `allreduce_gradients` of the local gradient, bit for bit: split parameters
     (tensor-parallel blocks, experts) are synced as `allreduce_gradients` says, from the
