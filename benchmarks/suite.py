@@ -993,7 +993,7 @@ def _halo(quick, rows):
     import jax.numpy as jnp
     import vjpmpi
 
-    cols, steps, reps = (256, 2, 3) if quick else (1 << 18, 4, 5)
+    cols, steps, reps = (256, 2, 3) if quick else (1 << 18, 4, 15)  # (15: a sign test)
     rows = 8 if quick else rows
     up = RANK - 1 if RANK > 0 else MPI.PROC_NULL
     down = RANK + 1 if RANK + 1 < SIZE else MPI.PROC_NULL
@@ -1064,15 +1064,25 @@ def _halo(quick, rows):
     exchanged, split = loop(exchange), jax.jit(split)
     if not np.array_equal(exchanged(u), split(u)):
         raise AssertionError("halo benchmark: the split step's result differs")
-    jhalos = jax.jit(halos)
-    rows4 = [jnp.asarray(b) for b in bufs]
+    # (each call's rows donated to the next, as the floor reuses its NumPy rows: fresh
+    # result buffers cost their page faults, 0.25 % of a step on the simulated link)
+    jhalos, rows4 = jax.jit(halos, donate_argnums=(0, 1, 2, 3)), [
+        tuple(jnp.asarray(b) for b in bufs)]
+
+    def halos_carried():
+        rows4[0] = jhalos(*rows4[0])
+        return rows4[0]
+
     t, each = _steps({"compute": (loop(local), (u,), None),
                       "exchange": (jax.jit(exchanges), (u,), None),
                       "after": (exchanged, (u,), None), "overlapped": (exchanged, (u,), ASYNC),
-                      "split": (split, (u,), None), "halos": (jhalos, rows4, None),
+                      "split": (split, (u,), None), "halos": (halos_carried, (), None),
                       "halos_mpi4py": (lambda: halos_mpi4py(), (), None)}, reps, each=True)
     t["halos_vs_mpi4py"] = float(np.median(each["halos"] / each["halos_mpi4py"]))
+    # (in how many repetitions vjpmpi's exchanges took longer: run.py's sign test)
+    slower = int(np.sum(each["halos"] > each["halos_mpi4py"]))
     return {"rows": rows, "cols": cols, "steps": steps, "halo_bytes": cols * 4,
+            "reps": reps, "halos_vs_mpi4py_slower": slower,
             **{k: v if k.endswith(("_ratio", "_vs_mpi4py")) else v / steps
                for k, v in t.items()}}
 
@@ -1448,7 +1458,12 @@ def p2p_part(quick):
       buffer (the carry form's peer: one array, exchanged in place);
     - `send`+`recv` (a ping-pong: rank 0 sends and then receives, rank 1 the other way
       round; per exchange, half a round trip) against mpi4py's `Send` + `Recv` and
-      mpi4jax's `send` + `recv`;
+      mpi4jax's `send` + `recv`, all on the floor's buffers: rank 0 sends one array and
+      receives into another, rank 1 sends back the array it received. (Which buffer is
+      sent matters on shared memory: MPICH's CMA copy reads the sender's buffer from
+      the receiver's core, and lines the sender has just written cost more to read than
+      lines it has only read: 1.2-1.5x the time at 64 KiB-1 MiB. Rank 0 sending what it
+      received, as the floor does not, is that much slower in mpi4py too.)
     - `start`/`wait` of the `swap` sendrecv.
 
     Each loop's result is its next call's (donated) input (`carried_loops`).
@@ -1494,30 +1509,32 @@ def p2p_part(quick):
                                                 sendtag=0, recvtag=0)), b
             return jax.jit(lambda ab: jax.lax.fori_loop(0, k // 2, body, ab))
 
-        def pingpong(send, recv):
-            def body(c):
-                if RANK == 0:
-                    send(c)
-                    return recv(c)
-                c = recv(c)
-                send(c)
-                return c
-            return body
+        def pingpong(send, recv):  # (the floor's buffers: rank 0 sends `a`, receives `b`)
+            def make(k):
+                def body(i, ab):
+                    a, b = ab
+                    if RANK == 0:
+                        send(a)
+                        return a, recv(b)
+                    b = recv(b)
+                    send(b)
+                    return a, b
+                return jax.jit(lambda ab: jax.lax.fori_loop(0, k, body, ab))
+            return make
 
         vj_pp = pingpong(lambda c: vjpmpi.send(c, peer, tag=0),
                          lambda c: vjpmpi.recv(c, peer, tag=0))
         cases, arg = {}, {}
         forms = {"swap": (swap, x2), "carry": (carry(lambda c: vjpmpi.sendrecv(
                      c, c, peer, peer, sendtag=0, recvtag=0)), x),
-                 "started": (started, x2), "pingpong": (carry(vj_pp), x)}
+                 "started": (started, x2), "pingpong": (vj_pp, x2)}
         if mpi4jax is not None:
             forms["m4j_swap"] = (swap_with(lambda a, b: mpi4jax.sendrecv(
                 a, b, source=peer, dest=peer, sendtag=0, recvtag=0)), x2)
             forms["m4j_carry"] = (carry(lambda c: mpi4jax.sendrecv(
                 c, c, source=peer, dest=peer, sendtag=0, recvtag=0)), x)
-            forms["m4j_pingpong"] = (carry(pingpong(
-                lambda c: mpi4jax.send(c, peer, tag=0),
-                lambda c: mpi4jax.recv(c, peer, tag=0))), x)
+            forms["m4j_pingpong"] = (pingpong(lambda c: mpi4jax.send(c, peer, tag=0),
+                                              lambda c: mpi4jax.recv(c, peer, tag=0)), x2)
         for name, (make, a) in forms.items():
             cases[name + "1"], cases[name + "3"] = carried_loops(make, a, iters)
         a_np, b_np = np.ones(n, np.float32), np.empty(n, np.float32)

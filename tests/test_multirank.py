@@ -569,18 +569,20 @@ def test_mismatched_program_fails_within_timeout(tmp_path):
 def test_async_default_on_two_nodes(tmp_path):
     """4 ranks on two host names for this machine (two nodes to MPI: MPI_COMM_TYPE_SHARED
     splits them, messages between them take the network module): the default threshold
-    puts calls of 64 KiB or more on the communicator's thread on communicators across
-    the two nodes, and none on those within one (tests/mpi/test_async.py)."""
+    puts calls of 1 MiB or more on the communicator's thread on communicators across
+    the two nodes, and none on those within one, and that thread polls large started
+    calls from their start across nodes only (tests/mpi/test_async.py)."""
     env = {**OVERSUBSCRIBED_ENV, "VJPMPI_TEST_NODES": "2", "MPIR_CVAR_CH4_NETMOD": "ofi",
            "FI_PROVIDER": "tcp"}
-    test = "test_auto_threshold_follows_the_node_layout"
+    tests = ("test_auto_threshold_follows_the_node_layout",
+             "test_started_calls_polled_from_their_start_follow_the_node_layout")
     run = Job(4, ["-m", "pytest", "mpi/test_async.py", "-q", "-p", "no:cacheprovider",
-                  "-k", test, f"--junitxml={tmp_path}/results.rank{{rank}}.xml"],
+                  "-k", " or ".join(tests), f"--junitxml={tmp_path}/results.rank{{rank}}.xml"],
               timeout=300, env=env, hosts="localhost:2,127.0.0.1:2").result()
     assert not run.timed_out and run.returncode == 0, run.describe()
-    for r in range(4):  # (each rank ran the test, and it passed there)
+    for r in range(4):  # (each rank ran the tests, and they passed there)
         results = read_junit(tmp_path / f"results.rank{r}.xml", ["mpi/test_async.py"])
-        assert results == {"mpi/test_async.py": {test: ("passed", "")}}, (r, results)
+        assert results == {"mpi/test_async.py": {t: ("passed", "") for t in tests}}, (r, results)
 
 
 def without_handles(hlo: str) -> str:

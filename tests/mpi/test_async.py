@@ -226,6 +226,80 @@ def test_auto_threshold_follows_the_node_layout():
         assert comms["world"][1] and comms["across"][1] and not comms["node"][1]
 
 
+def test_started_calls_polled_from_their_start_follow_the_node_layout():
+    """A started call of more than 64 KiB that XLA's thread posts is polled by the
+    communicator's thread from its start where calls may run there ("auto": across nodes;
+    an explicit threshold: every communicator), and within a node by default its wait
+    alone tests it (polled from the start, a 1 MiB exchange waited for at once took
+    1.2-1.3x mpi4py's Sendrecv there). A message of 64 KiB or less never is. The values
+    received are the ring's, every way. tests/test_multirank.py runs this on two nodes."""
+    comms, nodes = _node_comms()
+    polled = {}
+    for name, (c, spans) in comms.items():
+        w = c or WORLD
+        prv, nxt = (w.rank - 1) % w.size, (w.rank + 1) % w.size
+        for n in (1 << 16, (1 << 14) + 1):  # float32: 256 KiB, and 64 KiB + 4 bytes
+            x = rng(n + w.rank).integers(-1000, 1000, n).astype(np.float32) + w.rank
+
+            @jax.jit
+            def f(v, c=c, prv=prv, nxt=nxt):
+                h = vjpmpi.start(vjpmpi.sendrecv, v, v, source=prv, dest=nxt, comm=c)
+                return vjpmpi.wait(h)
+
+            want = np.empty_like(x)
+            w.Sendrecv(x, nxt, 0, want, prv, 0)
+            for threshold in ("auto", None, 0):
+                before = _kernels.cpu._started_polled_from_start()
+                with vjpmpi.async_threshold(threshold):
+                    y = np.asarray(f(x))
+                polled[name, n, threshold] = _kernels.cpu._started_polled_from_start() - before
+                np.testing.assert_array_equal(y, want)
+            large = 4 * n > 1 << 16
+            assert polled[name, n, "auto"] == int(spans and large), (name, n, spans, polled)
+            assert polled[name, n, None] == 0, (name, n, polled)
+            assert polled[name, n, 0] == int(large), (name, n, polled)
+    for name in ("dup", "node", "across", "halves"):
+        comms[name][0].Free()
+    assert nodes > 1 or not any(v for (_, _, t), v in polled.items() if t == "auto")
+
+
+def test_a_wait_within_a_node_tests_its_call_to_the_end():
+    """A started call its communicator's thread does not poll from its start (within a
+    node, the default threshold) is tested by its wait until it is done, however late
+    the peer: handed to that thread, it moved only once the thread woke (0.1-0.6 ms on a
+    busy node). Polled from its start (threshold 0), a wait that outlasts its spin hands
+    it over. Rank 0 receives from rank 1, which sends 50 ms late."""
+    if size < 2:
+        return
+    node = WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    first = WORLD.allgather(node.allreduce(rank, op=MPI.MIN))  # (each rank's node)
+    node.Free()
+    pair = WORLD.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
+    went = {}
+    if rank < 2:
+        n, peer = 1 << 16, 1 - rank  # (256 KiB: polled from its start where it may be)
+
+        @jax.jit
+        def f(v):
+            return vjpmpi.wait(vjpmpi.start(vjpmpi.sendrecv, v, v, source=peer, dest=peer,
+                                            comm=pair))
+
+        x = np.full(n, rank + 1.0, np.float32)
+        f(x).block_until_ready()
+        for threshold in ("auto", 0):
+            pair.Barrier()
+            before = _kernels.cpu._started_handed_over()
+            if rank == 1:
+                time.sleep(0.05)
+            with vjpmpi.async_threshold(threshold):
+                y = np.asarray(f(x))
+            went[threshold] = _kernels.cpu._started_handed_over() - before
+            np.testing.assert_array_equal(y, np.full(n, peer + 1.0, np.float32))
+        pair.Free()
+    went = WORLD.bcast(went, root=0)  # (every rank judges rank 0's waits)
+    assert went == {"auto": int(first[0] != first[1]), 0: 1}, went
+
+
 # ------------------------------------------------------ compute meets message --
 def _dots(y, n):
     outs = []

@@ -140,6 +140,9 @@ void DefineRuntime(nb::module_& m) {
   // vjpmpi calls running now (guarded, in any thread), for the tests of overlap
   m.def("_in_flight", []() { return runtime.in_flight.load(); });
   m.def("_async_calls", []() { return runtime.async_calls.load(); });
+  m.def("_started_polled_from_start",
+        []() { return runtime.started_polled_from_start.load(); });
+  m.def("_started_handed_over", []() { return runtime.started_handed_over.load(); });
   // started calls (vjpmpi.start) whose wait has not taken them, and the calls the watchdog
   // watches now, for the tests of their lifetimes
   m.def("_started_calls", &StartedCount);

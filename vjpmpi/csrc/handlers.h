@@ -237,6 +237,8 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
     // no hand-off to wait for), unless started calls of this communicator are still to be
     // posted on its thread (they come first).
     const bool here = started->direct && ce->started.load(std::memory_order_acquire) == 0;
+    started->poll_from_start = PollsFromStart(*ce);
+    started->wait_to_end = here && !started->poll_from_start;
     if (ThreadMultiple() && !here) {
       ce->started.fetch_add(1, std::memory_order_acq_rel);
       rt->async_calls.fetch_add(1, std::memory_order_relaxed);
@@ -339,8 +341,9 @@ inline void PollStarted(const std::shared_ptr<Started>& started) {
 }
 
 // A started call moving more than this is polled by the communicator's thread from its
-// start (a large message moves only while a thread tests it); a smaller one goes in one
-// piece (MPI's eager protocol), and its wait tests it first.
+// start where that pays (Started::poll_from_start: a large message moves only while a
+// thread tests it); a smaller one goes in one piece (MPI's eager protocol), and its wait
+// tests it first.
 inline constexpr size_t kPollFromStartBytes = size_t{1} << 16;
 
 // The MPI calls of a started call (vjpmpi.start): its messages posted (Post), then tested
@@ -370,7 +373,10 @@ std::string PostStarted(const Call& c, const void* send, void* recv,
     started->test = [s, watch]() { return TestStarted(*s, watch); };
   }
   const size_t bytes = std::max(c.count, c.count2) * ByteSize(c.kind);
-  if (thread != nullptr || bytes > kPollFromStartBytes) PollStarted(started);
+  if (thread != nullptr || (bytes > kPollFromStartBytes && started->poll_from_start)) {
+    if (thread == nullptr) runtime.started_polled_from_start.fetch_add(1, std::memory_order_relaxed);
+    PollStarted(started);
+  }
   return {};
 }
 
