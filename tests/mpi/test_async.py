@@ -263,14 +263,13 @@ def test_started_calls_polled_from_their_start_follow_the_node_layout():
     assert nodes > 1 or not any(v for (_, _, t), v in polled.items() if t == "auto")
 
 
+@needs2
 def test_a_wait_within_a_node_tests_its_call_to_the_end():
     """A started call its communicator's thread does not poll from its start (within a
     node, the default threshold) is tested by its wait until it is done, however late
     the peer: handed to that thread, it moved only once the thread woke (0.1-0.6 ms on a
     busy node). Polled from its start (threshold 0), a wait that outlasts its spin hands
     it over. Rank 0 receives from rank 1, which sends 50 ms late."""
-    if size < 2:
-        return
     node = WORLD.Split_type(MPI.COMM_TYPE_SHARED)
     first = WORLD.allgather(node.allreduce(rank, op=MPI.MIN))  # (each rank's node)
     node.Free()
