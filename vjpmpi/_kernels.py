@@ -183,8 +183,7 @@ def _is_auto(nbytes) -> bool:  # (the string only: an array argument is not "aut
 
 def set_async_bytes(nbytes: int | str | None) -> None:
     """A call that moves at least `nbytes` (its larger side, in or out; None: none;
-    "auto": collectives of AUTO_ASYNC_BYTES on a communicator across nodes, none within
-    one node, no point-to-point call) runs
+    "auto": AUTO_ASYNC_BYTES on a communicator across nodes, none within one node) runs
     its MPI call on the communicator's own thread while XLA runs the rest of the program
     that does not wait for it; read by each call when it runs."""
     global ASYNC_BYTES
@@ -203,12 +202,9 @@ def async_threshold(nbytes: int | str | None):
     On the CPU, such a call's MPI call runs on the communicator's own thread while XLA
     runs the rest of the program that does not wait for its result. Results are the same
     either way; only where the time goes changes. "auto" (the default; VJPMPI_ASYNC_BYTES,
-    read at import, overrides it) is 1 MiB for a collective on a communicator whose
-    processes are on more than one node (as MPI_COMM_TYPE_SHARED splits COMM_WORLD) and
-    None on one within a node, where nothing overlaps and the thread hand-offs only cost;
-    a `send`, `recv` or `sendrecv` stays synchronous under "auto" (`vjpmpi.start` is what
-    overlaps those, without the hand-offs). A number of bytes holds for every call,
-    point-to-point included. The setting applies
+    read at import, overrides it) is 1 MiB on a communicator whose processes are on more
+    than one node (as MPI_COMM_TYPE_SHARED splits COMM_WORLD) and None on one within a
+    node, where nothing overlaps and the thread hand-offs only cost. The setting applies
     to the programs dispatched inside the block, whenever they were compiled: entering and
     leaving wait for the programs already dispatched (`jax.effects_barrier()`), so that one
     program never runs under two settings. The MPI call is the same blocking call on

@@ -99,19 +99,13 @@ int ThreadLevel();
 // with one rank in MPI_Allreduce and another in MPI_Iallreduce); their algorithms
 // differ too (MPICH's MPI_Ireduce_scatter_block sums in another order at 4 ranks).
 //
-// Under `auto` only collectives go there: a point-to-point call's overlap is what
-// vjpmpi.start is for (XLA's thread posts it, and across nodes the communicator's thread
-// polls it from its start, with no hand-off), while an unsplit one paid the two hand-offs
-// on every call (a loop of 1 MiB send + recv over loopback TCP across "nodes": 1.16x
-// mpi4jax's, 1.00x synchronous). An explicit threshold holds for every call.
-//
 // While a started call (vjpmpi.start) posted on the communicator's thread (not a direct
 // one: XLA's thread posts those) has not finished there, every later call on that
 // communicator goes there too, behind it: MPI then sees the calls in the program's order.
-inline bool GoesAsync(size_t moved, const CommEntry& ce, bool collective) {
+inline bool GoesAsync(size_t moved, const CommEntry& ce) {
   if (ce.started.load(std::memory_order_acquire) > 0) return true;
   int64_t limit = AsyncBytes().load(std::memory_order_relaxed);
-  if (limit == kAsyncAuto) limit = ce.spans_nodes && collective ? kAutoAsyncBytes : -1;
+  if (limit == kAsyncAuto) limit = ce.spans_nodes ? kAutoAsyncBytes : -1;
   if (limit < 0 || moved == 0 || moved < static_cast<size_t>(limit)) return false;
   return ThreadLevel() >= MPI_THREAD_SERIALIZED;
 }

@@ -261,7 +261,7 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
   }
   if (e.empty()) {
     if constexpr (Async) {
-      const bool go = GoesAsync(moved, *ce, collective);
+      const bool go = GoesAsync(moved, *ce);
       // (the agreement here, on the calling thread, before the post: on the
       // communicator's thread a later program's first collective once waited for ever
       // in MPICH, probably the blocking/nonblocking mismatch of async.h's
