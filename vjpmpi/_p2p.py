@@ -187,12 +187,26 @@ def recv(x, source=MPI.ANY_SOURCE, *, tag=MPI.ANY_TAG, comm=None, status=None):
 def _t_sendrecv(cts, args, p):  # sendrecv with the peers swapped
     (ct,) = cts
     source, refused = _transposed_source(p, "sendrecv")
-    send_ct = call("sendrecv", [ct, zeros_for(args[0])], p, dest=source, source=p["dest"],
-                   sendtag=_back_tag(p, "recvtag"), recvtag=MPI.ANY_TAG, status=0,
-                   invalid=refused)
+    send_ct = call("sendrecv", [ct, _back_template(ct, args[0], p["dest"])], p, dest=source,
+                   source=p["dest"], sendtag=_back_tag(p, "recvtag"), recvtag=MPI.ANY_TAG,
+                   status=0, invalid=refused)
     kept = source == MPI.PROC_NULL and not refused
     tmpl_ct = ct if kept else jnp.zeros_like(ct)
     return only_linear(args, [send_ct, tmpl_ct])
+
+
+def _back_template(ct, x, source):
+    """The template a transposed sendrecv receives `x`'s cotangent into, from `source`:
+    the cotangent itself where the message is sure to fill it (`source` a rank, `x`
+    shaped as the cotangent; `_apart` then gives the result a buffer of its own, and
+    nothing is filled), else zeros. (A zero template per call is computed where XLA:CPU
+    likes, at the start of the compiled backward, all of them live at once: 8 chained
+    1 MiB calls took 11 MiB of temporaries with them, 32 calls 34 MiB; 2 MiB without.)"""
+    aval = x.aval if jc.is_undefined_primal(x) else x
+    if (source not in DYNAMIC and source != MPI.PROC_NULL and ct.shape == aval.shape
+            and ct.dtype == aval.dtype):
+        return ct
+    return zeros_for(x)
 
 
 def _apart(p):

@@ -361,6 +361,47 @@ def test_halo_exchange_scan_100_steps_matches_single_process(remat):
     np.testing.assert_allclose(fwd, fwd_ref[rank * n:(rank + 1) * n], rtol=1e-12)
 
 
+@pytest.mark.parametrize("shape", [(65536,), (256, 3)])  # (f64: 512 KiB; 6 KiB)
+def test_transposed_sendrecvs_hold_no_zero_templates(shape):
+    """The backward of k chained ring sendrecvs receives each cotangent into the
+    cotangent's own buffer, not a zero-filled template per call: the compiled gradient's
+    temporaries do not grow with k (XLA:CPU computed every zero template at the start of
+    the backward, all live at once). A PROC_NULL shift (a line of ranks) keeps its zeros:
+    the end of the line receives nothing. The gradients are exact: the loss weights
+    each rank's elements by its own rank, so each input's cotangent names the rank it
+    reached after k steps."""
+    up = rank - 1 if rank > 0 else MPI.PROC_NULL
+    down = rank + 1 if rank + 1 < size else MPI.PROC_NULL
+    w = (1.0 + rank) * (1.0 + jnp.arange(np.prod(shape), dtype=jnp.float64).reshape(shape))
+
+    def chain(k, source, dest):
+        def loss(v):
+            for _ in range(k):  # (the line's first rank receives nothing: zeros)
+                t = v if source != MPI.PROC_NULL else jnp.zeros_like(v)
+                v = vjpmpi.sendrecv(v, t, source, dest, sendtag=5, recvtag=5) * 0.5
+            return jnp.sum(w * v)
+        return jax.jit(jax.grad(loss))
+
+    x = normal(shape, 23)
+    temps = {}
+    for k in (2, 8):
+        ring = chain(k, prv, nxt)
+        compiled = ring.lower(x).compile()
+        temps[k] = compiled.memory_analysis().temp_size_in_bytes
+        g = np.asarray(ring(x))
+        # x on this rank travels k steps to rank + k, whose weight it gets
+        there = (rank + k) % size
+        want = 0.5 ** k * (1.0 + there) * (1.0 + np.arange(np.prod(shape))).reshape(shape)
+        np.testing.assert_allclose(g, want, rtol=1e-14)
+        # a line: what leaves the last rank is dropped, and what reaches it is kept
+        line = np.asarray(chain(k, up, down)(x))
+        want = (0.5 ** k * (1.0 + rank + k) * (1.0 + np.arange(np.prod(shape))).reshape(shape)
+                if rank + k < size else np.zeros(shape))
+        np.testing.assert_allclose(line, want, rtol=1e-14)
+    nbytes = int(np.prod(shape)) * 8
+    assert temps[8] <= temps[2] + 2 * nbytes, (shape, temps)  # (zeros: 6 more templates)
+
+
 def test_fori_loop_and_checkpoint_of_collectives():
     x = normal(3, 19)
 
