@@ -316,6 +316,47 @@ def test_a_wait_within_a_node_tests_its_call_to_the_end():
     assert went == {"auto": int(first[0] != first[1]), 0: 1}, went
 
 
+@needs2
+def test_the_thread_sleeps_while_a_wait_tests_its_call():
+    """A started call polled from its start (threshold 0) whose wait has come is the
+    wait's to test: the communicator's thread finds it parked and sleeps until the wait
+    hands it over, rather than spin and nap beside it (those wake-ups took a core from the
+    ranks: a started 1 MiB exchange over loopback TCP waited for at once, 1.04-1.06x
+    mpi4py's Sendrecv). Rank 1 sends 20 ms late: rank 0's wait spins its 0.5 ms, then
+    hands the call over, and the thread, woken, ends it (not woken, nothing would: the
+    job hangs). Rank 0's thread found the call parked a few times at most (spinning and
+    napping beside the wait: about 200 each time), and every value arrives."""
+    pair = WORLD.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
+    seen = {}
+    if rank < 2:
+        n, peer = 1 << 16, 1 - rank  # (256 KiB: polled from its start)
+
+        @jax.jit
+        def f(v):
+            return vjpmpi.wait(vjpmpi.start(vjpmpi.sendrecv, v, v, source=peer, dest=peer,
+                                            comm=pair))
+
+        x = np.arange(n, dtype=np.float32) + 1000 * rank
+        with vjpmpi.async_threshold(0):
+            f(x).block_until_ready()
+            for _ in range(3):
+                pair.Barrier()
+                before = (_kernels.cpu._started_polls_parked(),
+                          _kernels.cpu._started_handed_over())
+                if rank == 1:
+                    time.sleep(0.02)
+                y = np.asarray(f(x))
+                np.testing.assert_array_equal(y, np.arange(n, dtype=np.float32) + 1000 * peer)
+                seen.setdefault("parked", []).append(
+                    _kernels.cpu._started_polls_parked() - before[0])
+                seen.setdefault("handed", []).append(
+                    _kernels.cpu._started_handed_over() - before[1])
+        pair.Free()
+    seen = WORLD.bcast(seen, root=0)  # (every rank judges rank 0's waits)
+    assert seen["handed"] == [1, 1, 1], seen
+    assert max(seen["parked"]) <= 3, seen  # (0 where the thread first ran after the wait)
+
+
 # ------------------------------------------------------ compute meets message --
 def _dots(y, n):
     outs = []

@@ -43,8 +43,15 @@ class CommThread {
  public:
   void Post(std::function<void()> job);
 
-  // (on this thread) `poll()` until it returns true (its call has ended).
-  void AddPoll(std::function<bool()> poll) { polls_.push_back(std::move(poll)); }
+  // What a poll of a started call found: its call has ended (the poll goes), it has not,
+  // or another thread tests it now (its wait): the thread then has nothing to do for it,
+  // and where every poll it has is parked it sleeps until a job comes, rather than nap
+  // and wake while the wait runs (a wait that stops testing a call not yet ended posts
+  // the thread a job: see WaitFor).
+  enum class Poll { kDone, kPending, kParked };
+
+  // (on this thread) `poll()` until it returns kDone (its call has ended).
+  void AddPoll(std::function<Poll()> poll) { polls_.push_back(std::move(poll)); }
 
   // The thread ends after the jobs posted so far, and deletes this object.
   void Stop();
@@ -57,7 +64,7 @@ class CommThread {
   std::mutex mutex_;
   std::condition_variable ready_;
   std::deque<std::function<void()>> jobs_;
-  std::vector<std::function<bool()>> polls_;  // (on the thread only)
+  std::vector<std::function<Poll()>> polls_;  // (on the thread only)
   static constexpr int kSpins = 200;       // polling rounds before the first sleep
   static constexpr int kMaxNapUs = 1000;  // the longest sleep between rounds
   bool stop_ = false;  // (set and read on the thread only)

@@ -143,6 +143,7 @@ void DefineRuntime(nb::module_& m) {
   m.def("_started_polled_from_start",
         []() { return runtime.started_polled_from_start.load(); });
   m.def("_started_handed_over", []() { return runtime.started_handed_over.load(); });
+  m.def("_started_polls_parked", []() { return runtime.started_polls_parked.load(); });
   // started calls (vjpmpi.start) whose wait has not taken them, and the calls the watchdog
   // watches now, for the tests of their lifetimes
   m.def("_started_calls", &StartedCount);

@@ -303,6 +303,7 @@ inline ffi::Future WaitFor(int64_t comm, int64_t slot, int64_t run, void* y, siz
     return future;
   }
   const auto until = std::chrono::steady_clock::now() + kWaitSpin;
+  bool handed = false;  // (to the communicator's thread: not done within the spin)
   s->waiting.store(true, std::memory_order_release);
   for (;;) {  // (tested here a while: most messages are done by now, or soon)
     {
@@ -319,10 +320,13 @@ inline ffi::Future WaitFor(int64_t comm, int64_t slot, int64_t run, void* y, siz
         }
       }
       PollStarted(s);
+      handed = true;
       break;
     }
   }
   s->waiting.store(false, std::memory_order_release);
+  // (the communicator's thread may sleep with this call's poll parked: it wakes to poll it)
+  if (handed) PostOn(std::get<0>(s->key), [] {});
   std::unique_lock<std::mutex> lock(s->mutex);
   if (s->done) {
     lock.unlock();

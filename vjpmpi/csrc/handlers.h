@@ -327,10 +327,14 @@ inline void PollStarted(const std::shared_ptr<Started>& started) {
     if (started->polled || started->settled) return;
     started->polled = true;
   }
+  using Poll = CommThread::Poll;
   auto poll = [started]() {  // (busy: another thread tests it; next round)
-    if (started->waiting.load(std::memory_order_acquire)) return false;  // (its wait does)
+    if (started->waiting.load(std::memory_order_acquire)) {  // (its wait tests it)
+      runtime.started_polls_parked.fetch_add(1, std::memory_order_relaxed);
+      return Poll::kParked;
+    }
     std::unique_lock<std::mutex> lock(started->test_mutex, std::try_to_lock);
-    return lock.owns_lock() && started->test();
+    return lock.owns_lock() && started->test() ? Poll::kDone : Poll::kPending;
   };
   if (CommThread* thread = CurrentCommThread()) {
     thread->AddPoll(std::move(poll));

@@ -98,6 +98,9 @@ struct Runtime {
   std::atomic<int64_t> async_calls{0};  // calls run on a communicator's thread
   std::atomic<int64_t> started_polled_from_start{0};  // direct started calls (PostStarted)
   std::atomic<int64_t> started_handed_over{0};  // by their wait, not done (WaitFor)
+  // polls of started calls on a communicator's thread that found the call's wait testing
+  // it (parked: the thread then sleeps until a job comes, CommThread::Poll)
+  std::atomic<int64_t> started_polls_parked{0};
   // Collectives whose ranks were compared before they ran (first runs of programs,
   // every collective under VJPMPI_CHECK): what the agreement costs, for the tests.
   std::atomic<int64_t> verified{0};
