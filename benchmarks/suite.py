@@ -1466,11 +1466,14 @@ def p2p_part(quick):
       received, as the floor does not, is that much slower in mpi4py too.)
     - `start`/`wait` of the `swap` sendrecv.
 
-    Each loop's result is its next call's (donated) input (`carried_loops`).
+    Each loop's result is its next call's (donated) input (`carried_loops`). A size at
+    which a comparison says "slower" (run.py's sign test) is timed again, every case, and
+    that round's figures stand beside the first's (`<ratio>_again`, `<ratio>_slower_again`).
     """
     import jax
     import jax.numpy as jnp
     import vjpmpi
+    from run import slower_limit
 
     try:
         import mpi4jax
@@ -1559,29 +1562,45 @@ def p2p_part(quick):
 
         cases["floor_sendrecv"], cases["floor_pingpong"] = floor_sendrecv, floor_pingpong
         cases["floor_replace"] = floor_replace
-        t = {k: np.array(v) for k, v in interleaved(cases, reps, each=True).items()}
-        per = {name: np.maximum(t[name + "3"] - t[name + "1"], 1e-9) / (2 * iters)
-               for name in forms}
-        per["floor_sendrecv"] = t["floor_sendrecv"] / iters
-        per["floor_replace"] = t["floor_replace"] / iters
-        per["floor_pingpong"] = t["floor_pingpong"] / (2 * iters)  # (per message)
-        per["pingpong"] = per["pingpong"] / 2
-        if "m4j_pingpong" in per:
-            per["m4j_pingpong"] = per["m4j_pingpong"] / 2
+
+        def measure():  # (seconds per message of every case, each repetition's)
+            t = {k: np.array(v) for k, v in interleaved(cases, reps, each=True).items()}
+            per = {name: np.maximum(t[name + "3"] - t[name + "1"], 1e-9) / (2 * iters)
+                   for name in forms}
+            per["floor_sendrecv"] = t["floor_sendrecv"] / iters
+            per["floor_replace"] = t["floor_replace"] / iters
+            per["floor_pingpong"] = t["floor_pingpong"] / (2 * iters)  # (per message)
+            per["pingpong"] = per["pingpong"] / 2
+            if "m4j_pingpong" in per:
+                per["m4j_pingpong"] = per["m4j_pingpong"] / 2
+            return per
+
+        per = measure()
         row = {"bytes": nbytes, "iters": iters}
         row.update({k: float(np.median(v)) for k, v in per.items()})
-        def ratio(name, a, b):  # (its median, and in how many repetitions a took longer)
+        pairs = [(f"{k}_vs_floor", k, floor) for k, floor in (
+            ("swap", "floor_sendrecv"), ("carry", "floor_sendrecv"),
+            ("started", "floor_sendrecv"), ("pingpong", "floor_pingpong"))]
+        pairs.append(("carry_vs_replace", "carry", "floor_replace"))
+        if mpi4jax is not None:
+            pairs += [(f"{k}_vs_mpi4jax", k, other) for k, other in (
+                ("swap", "m4j_swap"), ("carry", "m4j_carry"), ("pingpong", "m4j_pingpong"))]
+        for name, a, b in pairs:  # (the median ratio, and in how many repetitions a took longer)
             row[name] = float(np.median(per[a] / per[b]))
             row[name + "_slower"] = int(np.sum(per[a] > per[b]))
-
-        for k, floor in (("swap", "floor_sendrecv"), ("carry", "floor_sendrecv"),
-                         ("started", "floor_sendrecv"), ("pingpong", "floor_pingpong")):
-            ratio(f"{k}_vs_floor", k, floor)
-        ratio("carry_vs_replace", "carry", "floor_replace")
-        if mpi4jax is not None:
-            for k, other in (("swap", "m4j_swap"), ("carry", "m4j_carry"),
-                             ("pingpong", "m4j_pingpong")):
-                ratio(f"{k}_vs_mpi4jax", k, other)
+        # A comparison found slower is measured again (another `reps` repetitions of
+        # every case): run.py judges it slower where both rounds say so. One round's sign
+        # test (5 %) over this part's 96 comparisons finds 1.7 "slower" in an average
+        # run where every case takes exactly as long as its peer. (Rank 0's counts decide
+        # for both ranks: each rank times its own.)
+        again = COMM.bcast([name for name, _, _ in pairs
+                            if row[name + "_slower"] >= slower_limit(reps)], root=0)
+        if again:
+            per = measure()
+            for name, a, b in pairs:
+                if name in again:
+                    row[name + "_again"] = float(np.median(per[a] / per[b]))
+                    row[name + "_slower_again"] = int(np.sum(per[a] > per[b]))
         rows.append(row)
     return {"ranks": SIZE, "reps": reps, "mpi4jax": getattr(mpi4jax, "__version__", None),
             "env": {k: os.environ.get(k) for k in NET_VARS if k in os.environ}, "rows": rows}
