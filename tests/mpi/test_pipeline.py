@@ -350,12 +350,19 @@ def test_compiled_memory_bounded_under_1f1b():
 # ------------------------------------------------------------ bad arguments --
 @pytest.mark.skipif(size < 2, reason="needs a first and a last stage on different ranks")
 def test_wrong_micro_batch_count_fails_on_every_rank():
-    p = size
+    """Stage 0 alone reads `inputs`, which has p + 1 micro-batches, not the schedule's 2:
+    every rank raises. (Batches of 7 rows: programs no other test runs, so that every
+    rank compares its first run with the others' and hears of stage 0's error. A rank that
+    ran its program before is inside the collective and cannot be told: vjpmpi then ends
+    the job, as it did here at 3 ranks on the batches of 3 an earlier test ran.)"""
+    p, batch = size, 7
     stages = model(p)
-    x, t = data(p, p + 1)
+    x, t = data(p, p + 1, batch)
+    f = eqx.filter_jit(lambda st, x, t: vnn.pipeline_value_and_grad(
+        st, loss_fn, x, t, schedule=vnn.gpipe(p, 2), activation=boundaries(p, batch)))
     with pytest.raises(Exception, match="must have 2 micro-batches"):
-        # (only stage 0 reads `inputs`, which has p + 1 micro-batches, not 2)
-        jax.block_until_ready(run(vnn.gpipe(p, 2), stages[rank], x, t[:2], None, p))
+        jax.block_until_ready(f(stages[rank], x if rank == 0 else None,
+                                t[:2] if rank == p - 1 else None))
 
 
 @pytest.mark.skipif(size < 2, reason="needs a boundary between ranks")
