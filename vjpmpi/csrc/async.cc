@@ -24,25 +24,135 @@ CommThread*& CurrentCommThread() {
   return current;
 }
 
+namespace {
+// The threads that run the loops (CommThread): each runs one loop at a time, and waits
+// here for another when its loop ends or went on without it. Never destroyed: a thread
+// may outlive exit().
+struct Servers {
+  std::mutex mutex;
+  std::condition_variable ready;
+  std::deque<CommThread*> pending;  // loops without a thread, in the order they asked
+  size_t idle = 0;                  // threads waiting here
+};
+Servers& TheServers() {
+  static Servers* s = new Servers();
+  return *s;
+}
+
+void Serve() {
+  Servers& s = TheServers();
+  for (;;) {
+    CommThread* loop;
+    {
+      std::unique_lock<std::mutex> lock(s.mutex);
+      ++s.idle;
+      s.ready.wait(lock, [&s] { return !s.pending.empty(); });
+      --s.idle;
+      loop = s.pending.front();
+      s.pending.pop_front();
+    }
+    loop->Loop();
+    OnCommThread() = false;
+    CurrentCommThread() = nullptr;
+  }
+}
+
+// A thread of the pool runs `loop`: an idle one, else a new one (every loop waiting has
+// a thread of its own to come: a loop never waits for another one's thread).
+void Assign(CommThread* loop) {
+  Servers& s = TheServers();
+  bool spawn;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.pending.push_back(loop);
+    spawn = s.idle < s.pending.size();
+  }
+  if (spawn) {
+    std::thread(Serve).detach();
+  } else {
+    s.ready.notify_one();
+  }
+}
+
+// Whether `loop` still waits for a thread of the pool; it does not any more.
+bool Unassign(CommThread* loop) {
+  Servers& s = TheServers();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  auto it = std::find(s.pending.begin(), s.pending.end(), loop);
+  if (it == s.pending.end()) return false;
+  s.pending.erase(it);
+  return true;
+}
+
+// Whether the calling thread handed its loop over in the job it runs (CommThread::Handoff).
+bool& HandedOff() {
+  thread_local bool handed = false;
+  return handed;
+}
+}  // namespace
+
 void CommThread::Post(std::function<void()> job) {
+  bool assign = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(std::move(job));
+    assign = !has_thread_;
+    has_thread_ = true;
   }
-  ready_.notify_one();
+  if (assign) {
+    Assign(this);
+  } else {
+    ready_.notify_one();
+  }
 }
 
 void CommThread::Stop() {
   Post([this] { stop_ = true; });
 }
 
-CommThread::CommThread(bool communicator) {
-  std::thread([this, communicator] { Loop(communicator); }).detach();
+CommThread::CommThread(bool communicator) : communicator_(communicator) { Assign(this); }
+
+void CommThread::Handoff() {
+  runtime.loop_handoffs.fetch_add(1, std::memory_order_relaxed);
+  HandedOff() = true;
+  OnCommThread() = false;
+  CurrentCommThread() = nullptr;
+  bool assign;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++out_;
+    // (started calls to poll while the program computes: a thread now; else the next job
+    // asks for one)
+    assign = !jobs_.empty() || !polls_.empty();
+    has_thread_ = assign;
+  }
+  if (assign) Assign(this);
 }
 
-void CommThread::Loop(bool communicator) {
-  OnCommThread() = communicator;
-  if (communicator) CurrentCommThread() = this;
+bool CommThread::Reclaim() {
+  bool resume = false, remove = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --out_;
+    if (finished_) {
+      remove = out_ == 0;
+    } else if (!has_thread_) {
+      has_thread_ = resume = true;
+    } else {
+      // A job came while this thread was away, and the thread asked for has not taken
+      // the loop yet: this one takes it back (the job runs now, not once the woken
+      // thread gets a core; that one finds nothing to do and waits again).
+      resume = Unassign(this);
+    }
+  }
+  if (remove) delete this;
+  if (resume) runtime.loops_taken_back.fetch_add(1, std::memory_order_relaxed);
+  return resume;
+}
+
+void CommThread::Loop() {
+  OnCommThread() = communicator_;
+  CurrentCommThread() = communicator_ ? this : nullptr;
   int misses = 0;  // polling rounds since a started call last ended
   bool parked = false;  // every poll of the last round was parked (its wait tests it)
   while (!stop_ || !polls_.empty()) {
@@ -60,6 +170,13 @@ void CommThread::Loop(bool communicator) {
     }
     if (job) {
       job();
+      job = nullptr;  // (its captures go here, on the thread that ran it)
+      if (HandedOff()) {  // (the job went on with other work after handing the loop over)
+        HandedOff() = false;
+        if (!Reclaim()) return;  // (another thread runs the loop now, or it has ended)
+        OnCommThread() = communicator_;
+        CurrentCommThread() = communicator_ ? this : nullptr;
+      }
       misses = 0;
       parked = false;
       continue;
@@ -89,7 +206,13 @@ void CommThread::Loop(bool communicator) {
       std::this_thread::sleep_for(std::chrono::microseconds(std::min(1 << shift, kMaxNapUs)));
     }
   }
-  delete this;
+  bool remove;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    finished_ = true;
+    remove = out_ == 0;  // (else the last thread to come back deletes it)
+  }
+  if (remove) delete this;
 }
 
 
@@ -127,8 +250,9 @@ void StopCommThread(int64_t comm) {
   all.threads.erase(it);
 }
 
-// Threads that complete the futures of asynchronous calls. Completing a future runs
-// XLA's continuation on the completing thread: the program's next steps, computation
+// Threads that complete the futures of started calls' waits (an asynchronous call's
+// job completes its own, after CommThread::Handoff). Completing a future runs XLA's
+// continuation on the completing thread: the program's next steps, computation
 // included, until the executor runs out of ready work. On the communicator's thread
 // that computation held up the program's next call (a halo loop's second exchange
 // started 20-60 ms after XLA posted it, behind an interior block). A completion takes

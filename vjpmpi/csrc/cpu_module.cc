@@ -3,7 +3,12 @@
 // call runs on its communicator's thread (async.h). This module also carries vjpmpi's
 // Python interface to the one runtime (configure, comm_number, ...), which lives in the
 // core library (libvjpmpi_core.so) that every backend module links.
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
+#include <memory>
+#include <mutex>
+#include <thread>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -151,6 +156,44 @@ void DefineRuntime(nb::module_& m) {
     return WatchedCalls(runtime);
   });
   m.def("_on_comm_thread", []() { return OnCommThread(); });
+  m.def("_loop_handoffs", []() { return runtime.loop_handoffs.load(); });
+  m.def("_loops_taken_back", []() { return runtime.loops_taken_back.load(); });
+  // A loop of its own (CommThread, no MPI): its first job hands the loop over, posts a
+  // second job and then stays away `away_us` (as XLA's continuation computing on that
+  // thread); returns how long, in us, the second job waited to run after its post.
+  m.def("_handoff_probe", [](int64_t away_us) {
+    using Clock = std::chrono::steady_clock;
+    struct Probe {
+      std::mutex mutex;
+      std::condition_variable cv;
+      Clock::time_point posted, ran;
+      int done = 0;  // (both jobs have returned at 2)
+    };
+    auto p = std::make_shared<Probe>();
+    auto end = [p] {
+      std::lock_guard<std::mutex> lock(p->mutex);
+      ++p->done;
+      p->cv.notify_all();
+    };
+    auto* loop = new CommThread(true);
+    loop->Post([p, loop, away_us, end] {
+      loop->Handoff();
+      p->posted = Clock::now();
+      loop->Post([p, end] {
+        p->ran = Clock::now();
+        end();
+      });
+      std::this_thread::sleep_for(std::chrono::microseconds(away_us));
+      end();
+    });
+    {
+      nb::gil_scoped_release release;
+      std::unique_lock<std::mutex> lock(p->mutex);
+      p->cv.wait(lock, [&p] { return p->done == 2; });
+    }
+    loop->Stop();
+    return std::chrono::duration<double, std::micro>(p->ran - p->posted).count();
+  });
   // the smallest call (bytes, its larger side) that runs on the communicator's thread;
   // -1: none; -2 (async_auto): auto_async_bytes across nodes, none within one
   // (vjpmpi.async_threshold, VJPMPI_ASYNC_BYTES)

@@ -281,13 +281,15 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
           std::string e = Tail(*rt, mem, c, a, ce, collective, body, true, k);
           if (busy) ce->busy.store(false, std::memory_order_release);
           if (!e.empty()) ForgetRun(a.run);
-          Complete([promise, e = std::move(e)]() mutable {
-            if (e.empty()) {
-              promise.SetAvailable();
-            } else {
-              promise.SetError(ffi::Error::Internal(e));
-            }
-          });
+          // (completing the future runs XLA's continuation, the program's next steps,
+          // on this thread: the loop goes on without it, and the continuation's next
+          // call here takes another thread, where the completion would have woken one)
+          CurrentCommThread()->Handoff();
+          if (e.empty()) {
+            promise.SetAvailable();
+          } else {
+            promise.SetError(ffi::Error::Internal(e));
+          }
         });
         return Outcome{{}, std::move(future)};
       }

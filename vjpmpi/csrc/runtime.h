@@ -101,6 +101,10 @@ struct Runtime {
   // polls of started calls on a communicator's thread that found the call's wait testing
   // it (parked: the thread then sleeps until a job comes, CommThread::Poll)
   std::atomic<int64_t> started_polls_parked{0};
+  // asynchronous calls completed on the thread that ran them, which handed its loop over
+  // first (CommThread::Handoff), and the loops that thread took back afterwards
+  std::atomic<int64_t> loop_handoffs{0};
+  std::atomic<int64_t> loops_taken_back{0};
   // Collectives whose ranks were compared before they ran (first runs of programs,
   // every collective under VJPMPI_CHECK): what the agreement costs, for the tests.
   std::atomic<int64_t> verified{0};
