@@ -85,13 +85,17 @@ def marginal(make_loop, x, iters, reps):
     return max(t["3"] - t["1"], 1e-9) / (2 * iters)
 
 
-def interleaved(cases, reps, each=False):
+def interleaved(cases, reps, each=False, shuffle=False):
     """Median seconds of each zero-argument callable, timed in turn within each
     repetition so that every case sees the same machine noise (`each`: every
-    repetition's seconds, a list per case)."""
+    repetition's seconds, a list per case; `shuffle`: each repetition in an order of its
+    own, the same on every rank, so that no case always follows the same one)."""
     times = {k: [] for k in cases}
+    rng = np.random.default_rng(0)  # (the same orders on every rank)
     for _ in range(reps):
-        for k, fn in cases.items():
+        names = list(cases)
+        for k in (rng.permutation(names) if shuffle else names):
+            fn = cases[k]
             COMM.Barrier()
             t0 = time.perf_counter()
             fn()
@@ -1444,8 +1448,9 @@ def devices_gloo_part(quick, max_bytes=None):
 P2P_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)  # bytes a message
 
 
-def p2p_part(quick):
-    """Point-to-point at 2 ranks, per message size (4 KiB to 64 MiB), each form a jitted
+def p2p_part(quick, sizes=None):
+    """Point-to-point at 2 ranks, per message size (4 KiB to 64 MiB, or `sizes`: run.py
+    times the sizes a job found slower again in a job of their own), each form a jitted
     fori_loop timed as (T(3N) - T(N)) / 2N, every case of a size timed in turn within each
     repetition (the ratios: medians of the per-repetition ratios):
 
@@ -1466,7 +1471,9 @@ def p2p_part(quick):
       received, as the floor does not, is that much slower in mpi4py too.)
     - `start`/`wait` of the `swap` sendrecv.
 
-    Each loop's result is its next call's (donated) input (`carried_loops`). A size at
+    Each loop's result is its next call's (donated) input (`carried_loops`); each
+    repetition times the cases in an order of its own (a case timed always after the same
+    one inherits that one's state of the caches). A size at
     which a comparison says "slower" (run.py's sign test) is timed again, every case, and
     that round's figures stand beside the first's (`<ratio>_again`, `<ratio>_slower_again`).
     """
@@ -1483,7 +1490,7 @@ def p2p_part(quick):
     peer = 1 - RANK
     reps = 2 if quick else 15  # (15: a sign test can say "slower", run.py at_or_under)
     rows = []
-    for nbytes in (P2P_SIZES[:2] if quick else P2P_SIZES):
+    for nbytes in (P2P_SIZES[:2] if quick else sizes or P2P_SIZES):
         n = nbytes // 4
         iters = 2 if quick else 2 * max(4, min(200, (24 << 20) // nbytes))  # (even)
         x = jnp.full(n, float(RANK), jnp.float32)
@@ -1564,7 +1571,8 @@ def p2p_part(quick):
         cases["floor_replace"] = floor_replace
 
         def measure():  # (seconds per message of every case, each repetition's)
-            t = {k: np.array(v) for k, v in interleaved(cases, reps, each=True).items()}
+            t = {k: np.array(v) for k, v in
+                 interleaved(cases, reps, each=True, shuffle=True).items()}
             per = {name: np.maximum(t[name + "3"] - t[name + "1"], 1e-9) / (2 * iters)
                    for name in forms}
             per["floor_sendrecv"] = t["floor_sendrecv"] / iters
@@ -1616,6 +1624,8 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--max-bytes", type=int, default=None,
                         help="the devices parts: sizes per device up to this many bytes")
+    parser.add_argument("--sizes", type=lambda v: [int(b) for b in v.split(",")],
+                        default=None, help="the p2p part: these message sizes (bytes) only")
     args = parser.parse_args()
     part = {"main": main_part, "gloo": gloo_part, "check": check_part, "gpu": gpu_part,
             "net": net_part, "nonlinear": nonlinear_part, "memory": memory_part,
@@ -1623,7 +1633,7 @@ if __name__ == "__main__":
             "pipeline": pipeline_part, "ragged": ragged_part, "devices": devices_part,
             "devices_gloo": devices_gloo_part, "p2p": p2p_part}[args.part]
     result = (part(args.quick, args.max_bytes) if args.part.startswith("devices")
-              else part(args.quick))
+              else part(args.quick, args.sizes) if args.part == "p2p" else part(args.quick))
     if RANK == 0:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -122,36 +122,51 @@ def test_benchmark_suite_smoke(tmp_path):
     assert (tmp_path / "results.png").stat().st_size > 10_000
 
 
-def test_parity_targets_need_a_second_round_to_say_slower():
+def test_parity_targets_need_every_later_round_to_say_slower():
     """run.py's parity judgement: a size is slower where one round's sign test says so
-    (12+ of 15) and, where the part timed that size again, the second round too; an
-    unconfirmed size is named, a confirmed one fails the target, and rows without a
-    second round (an older run's results, the halo exchanges) keep the one-round rule."""
+    (12+ of 15) and so does every later round the part timed (a second round in the same
+    job, a round in a job of its own); an unconfirmed size is named with every round's
+    figures, a confirmed one fails the target, and rows without later rounds (an older
+    run's results, the halo exchanges) keep the one-round rule."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from run import at_or_under, slower_limit
+        from run import at_or_under, confirmed, slower_limit
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     assert slower_limit(15) == 12 and slower_limit(2) == 3
 
-    def row(nbytes, ratio, slower, again=None):
+    def row(nbytes, ratio, slower, again=None, fresh=None):
         r = {"bytes": nbytes, "r": ratio, "r_slower": slower}
         if again is not None:
             r["r_again"], r["r_slower_again"] = again
+        if fresh is not None:
+            r["r_fresh"], r["r_slower_fresh"] = fresh
         return r
 
     fine = [row(4096, 0.97, 6), row(1 << 20, 1.01, 9)]
     text, met = at_or_under(fine, "r", 15)
     assert met and text.startswith("1.01x at worst (1 MiB, longer in 9 of 15")
-    # found slower once, not again: met, and the size named with both rounds' counts
+    # found slower once, not again: met, and the size named with both rounds' figures
     text, met = at_or_under(fine + [row(4 << 20, 1.04, 13, (0.99, 7))], "r", 15)
-    assert met and "not slower when timed again: 4 MiB (13, then 7 of 15: 0.99x)" in text
-    # found slower twice: missed
+    assert met and "not slower when timed again: 4 MiB (1.04x, 13 of 15; again: 0.99x, 7 of 15)" in text
+    # found slower twice, and no job of its own timed it: missed
     text, met = at_or_under(fine + [row(4 << 20, 1.08, 14, (1.06, 13))], "r", 15)
     assert not met and "slower (longer in 12+ of 15): 4 MiB 1.08x (again: 1.06x, 13 of 15)" in text
+    # found slower twice, not in a job of its own: met, every round named
+    text, met = at_or_under(fine + [row(4 << 20, 1.08, 14, (1.06, 13), (0.97, 5))], "r", 15)
+    assert met and ("not slower when timed again: 4 MiB (1.08x, 14 of 15; again: 1.06x, 13 of "
+                    "15; in a job of its own: 0.97x, 5 of 15)") in text
+    # slower in all three rounds: missed
+    text, met = at_or_under(fine + [row(4 << 20, 1.08, 14, (1.06, 13), (1.05, 12))], "r", 15)
+    assert not met and ("4 MiB 1.08x (again: 1.06x, 13 of 15; in a job of its own: 1.05x, "
+                        "12 of 15)") in text
     # one round only (no second round recorded): slower at 12 of 15
     text, met = at_or_under(fine + [row(4 << 20, 1.02, 12)], "r", 15)
     assert not met and "slower (longer in 12+ of 15): 4 MiB 1.02x" in text
+    # the sizes run_p2p times in a job of their own: both rounds of the job said slower
+    r = {"bytes": 1, "a": 1.1, "a_slower": 13, "a_again": 1.1, "a_slower_again": 12,
+         "b": 1.1, "b_slower": 13, "b_again": 1.0, "b_slower_again": 11, "c": 1.1, "c_slower": 14}
+    assert confirmed(r, 15) == ["a"] and confirmed(r, 2) == []
     # too few repetitions for a verdict: the medians
     assert at_or_under([row(4096, 1.01, 2)], "r", 2) == ("1.01x", False)
     assert at_or_under([row(4096, 0.99, 2)], "r", 2) == ("0.99x", True)
