@@ -167,6 +167,10 @@ def test_parity_targets_need_every_later_round_to_say_slower():
     r = {"bytes": 1, "a": 1.1, "a_slower": 13, "a_again": 1.1, "a_slower_again": 12,
          "b": 1.1, "b_slower": 13, "b_again": 1.0, "b_slower_again": 11, "c": 1.1, "c_slower": 14}
     assert confirmed(r, 15) == ["a"] and confirmed(r, 2) == []
+    # (a comparison no target judges is never timed again)
+    r.update(carry_vs_floor=1.4, carry_vs_floor_slower=15, carry_vs_floor_again=1.4,
+             carry_vs_floor_slower_again=15)
+    assert confirmed(r, 15) == ["a"]
     # too few repetitions for a verdict: the medians
     assert at_or_under([row(4096, 1.01, 2)], "r", 2) == ("1.01x", False)
     assert at_or_under([row(4096, 0.99, 2)], "r", 2) == ("0.99x", True)
