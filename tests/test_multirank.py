@@ -571,11 +571,14 @@ def test_async_default_on_two_nodes(tmp_path):
     splits them, messages between them take the network module): the default threshold
     puts calls of 1 MiB or more on the communicator's thread on communicators across
     the two nodes, and none on those within one, and that thread polls large started
-    calls from their start across nodes only (tests/mpi/test_async.py)."""
+    calls from their start across nodes only, and "auto" keeps a call site on XLA's thread
+    where nothing runs beside it, call site by call site (tests/mpi/test_async.py)."""
     env = {**OVERSUBSCRIBED_ENV, "VJPMPI_TEST_NODES": "2", "MPIR_CVAR_CH4_NETMOD": "ofi",
            "FI_PROVIDER": "tcp"}
     tests = ("test_auto_threshold_follows_the_node_layout",
-             "test_started_calls_polled_from_their_start_follow_the_node_layout")
+             "test_started_calls_polled_from_their_start_follow_the_node_layout",
+             "test_auto_runs_a_loop_of_exchanges_alone_on_xlas_thread",
+             "test_auto_keeps_a_call_asynchronous_while_xla_computes_beside_it")
     run = Job(4, ["-m", "pytest", "mpi/test_async.py", "-q", "-p", "no:cacheprovider",
                   "-k", " or ".join(tests), f"--junitxml={tmp_path}/results.rank{{rank}}.xml"],
               timeout=300, env=env, hosts="localhost:2,127.0.0.1:2").result()

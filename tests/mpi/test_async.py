@@ -280,6 +280,153 @@ def test_started_calls_polled_from_their_start_follow_the_node_layout():
     assert nodes > 1 or not any(v for (_, _, t), v in polled.items() if t == "auto")
 
 
+# ------------------------------------------------ "auto", call site by call site --
+FLOOR_NS = 50_000  # (async.h: SiteRecord::kOverlapFloorNs)
+
+
+@pytest.mark.parametrize("measured, stays", [
+    # nothing beside the call (10 us of 400 us): asynchronous 3 times, then 64 runs stay
+    # on XLA's thread and one probes again, alone
+    ([(10_000, 400_000)], [False] * 3 + ([True] * 64 + [False]) * 2),
+    ([(FLOOR_NS - 1, 10_000_000)], [False] * 3 + [True] * 64 + [False]),  # (under the floor)
+    ([(FLOOR_NS, 10_000_000)], [False] * 140),  # the floor computed beside: it pays
+    ([(30_000, 120_000)], [False] * 140),       # a quarter of the call's time
+    ([(29_000, 120_000)], [False] * 3 + [True] * 64 + [False]),
+    ([(-1, 400_000)], [False] * 140),           # the thread's clock not read: asynchronous
+    ([(10_000, 400_000)] * 2 + [(60_000, 400_000)], [False] * 140),  # never 3 in a row
+    # a started call (0: only the floor counts, not the quarter of its time)
+    ([(40_000, 0)], [False] * 3 + [True] * 64 + [False]),
+    ([(60_000, 0)], [False] * 140),
+])
+def test_auto_keeps_a_call_site_on_xlas_thread_while_nothing_runs_beside_it(measured, stays):
+    """"auto"'s record of a call site (async.h, SiteRecord): each asynchronous run reports
+    what XLA's thread computed beside the call; where that stayed under both the floor
+    (50 us) and a quarter of the call's time three runs in a row, the next 64 runs stay
+    on XLA's thread, then one runs asynchronously again."""
+    got = _kernels.cpu._site_record_probe(len(stays), measured)
+    assert got == stays[:len(got)] and len(got) == len(stays), [
+        i for i, (g, w) in enumerate(zip(got, stays, strict=True)) if g != w]
+
+
+def test_the_clock_read_is_the_posting_threads_own():
+    """What XLA's thread computed beside a call is read on that thread's own CPU clock by
+    the thread that runs the call (not the reader's clock, nor the process's, which
+    counts the reader's spinning in MPI). A thread spins until its own clock reads 30 ms;
+    this one, which waited meanwhile, then reads at least that, and not much more."""
+    for _ in range(3):
+        got = _kernels.cpu._thread_cpu_probe(30_000)
+        assert 30_000 <= got < 1_030_000, got
+
+
+def _ring_loop(c, steps):
+    w = c or WORLD
+    prv, nxt = (w.rank - 1) % w.size, (w.rank + 1) % w.size
+    n = _kernels.AUTO_ASYNC_BYTES // 4  # float32: 1 MiB
+
+    @jax.jit
+    def f(v):
+        return jax.lax.fori_loop(
+            0, steps, lambda i, x: vjpmpi.sendrecv(x, x, source=prv, dest=nxt, comm=c), v)
+
+    x = np.arange(n, dtype=np.float32) + 1000 * w.rank
+    want = np.arange(n, dtype=np.float32) + 1000 * ((w.rank - steps) % w.size)
+    return f, x, want
+
+
+def test_auto_runs_a_loop_of_exchanges_alone_on_xlas_thread():
+    """A 1 MiB exchange in a loop with nothing beside it (a loop that only exchanges):
+    "auto" runs it asynchronously where its communicator spans nodes, sees that XLA's
+    thread had nothing to compute meanwhile, and keeps the site's next runs on XLA's
+    thread (the hand-offs cost 7-12 % of such a loop over TCP), probing every 65th run:
+    of 80 calls, 3 and the probe go to the communicator's thread, the rest stay (a few
+    more go where other work of the process's threads fell beside a run: at most 12 of
+    80 in each of two runs; on two nodes at 4 ranks on 2 cores 4-7, at 2 ranks 1-7). An explicit threshold (0) still
+    sends every call there. Within a node "auto" sends none. Every value arrives.
+    tests/test_multirank.py runs this on two nodes."""
+    comms, nodes = _node_comms()
+    seen = {}
+    for name in ("default", "node", "across"):
+        c, spans = comms[name]
+        f, x, want = _ring_loop(c, 80)
+        with vjpmpi.async_threshold(None):
+            f(x).block_until_ready()  # (compiled and run once: its first run's work)
+        for threshold in ("auto", "auto", 0):
+            before = (_kernels.cpu._async_calls(), _kernels.cpu._auto_kept_calls())
+            with vjpmpi.async_threshold(threshold):
+                y = np.asarray(f(x))
+            np.testing.assert_array_equal(y, want)
+            seen.setdefault(name, []).append(
+                (_kernels.cpu._async_calls() - before[0], _kernels.cpu._auto_kept_calls() - before[1]))
+        seen[name].append(spans)
+    for name in ("dup", "node", "across", "halves"):
+        comms[name][0].Free()
+    seen = WORLD.allgather(seen)  # (every rank judges every rank's: they fail together)
+    for r, s in enumerate(seen):
+        for name, (first, second, explicit, spans) in s.items():
+            assert explicit == (80, 0), (r, name, s)
+            if not spans:
+                assert first == second == (0, 0), (r, name, s)
+                continue
+            assert 3 <= first[0] <= 12 and sum(first) == 80, (r, name, s)
+            assert 1 <= second[0] <= 12 and sum(second) == 80, (r, name, s)
+    assert nodes == 1 or any(s["default"][3] for s in seen)
+
+
+def test_auto_keeps_a_call_asynchronous_while_xla_computes_beside_it():
+    """A 1 MiB allreduce whose program computes beside it (a callback that spins 5 ms of
+    CPU on XLA's thread while the call is in flight; rank 1 enters the call 30 ms late, so
+    that it is in flight on every other rank): "auto" keeps it on the communicator's
+    thread in every run there, where its communicator spans nodes. tests/test_multirank.py
+    runs this on two nodes."""
+    comms, nodes = _node_comms()
+    late = {"on": False}
+    n = _kernels.AUTO_ASYNC_BYTES // 4
+
+    def delay(x):
+        if rank == 1 and late["on"]:
+            time.sleep(0.03)
+        return x
+
+    def burn(y):  # (XLA's thread computes: 5 ms of CPU while a call is in flight)
+        until = time.monotonic() + 0.2
+        while late["on"] and not _kernels.cpu._in_flight() and time.monotonic() < until:
+            pass
+        start = time.thread_time()
+        while late["on"] and time.thread_time() - start < 0.005:
+            pass
+        return y
+
+    def f(x, y):
+        d = jax.pure_callback(delay, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        r = vjpmpi.allreduce(d, MPI.SUM)
+        outs = _dots(y, 10)  # (enough thunks: XLA:CPU runs programs of 8 or fewer in order)
+        p = jax.pure_callback(burn, jax.ShapeDtypeStruct(y.shape, y.dtype), outs[0])
+        return r, p, outs[-1]
+
+    x = rng(5).integers(-1000, 1000, n).astype(np.float32)  # (this rank's own; sums exact)
+    want = WORLD.allreduce(x, op=MPI.SUM)
+    args = (jnp.asarray(x), jnp.ones((32, 32), jnp.float32))
+    exe = compiled((__name__, "auto_beside"), f, *args)
+    with vjpmpi.async_threshold(None):
+        jax.block_until_ready(exe(*args))
+    spans = comms["default"][1]
+    late["on"] = True
+    before = (_kernels.cpu._async_calls(), _kernels.cpu._auto_kept_calls())
+    for _ in range(6):
+        r, _, _ = exe(*args)
+        np.testing.assert_array_equal(np.asarray(r), want)
+    late["on"] = False
+    went = (_kernels.cpu._async_calls() - before[0], _kernels.cpu._auto_kept_calls() - before[1])
+    for name in ("dup", "node", "across", "halves"):
+        comms[name][0].Free()
+    went = WORLD.allgather(went)  # (every rank fails together)
+    for r, w in enumerate(went):
+        if not spans:
+            assert w == (0, 0), went
+        elif r != 1:  # (rank 1's call, entered last, may end before its callback spins)
+            assert w == (6, 0), went
+
+
 @needs2
 def test_a_wait_within_a_node_tests_its_call_to_the_end():
     """A started call its communicator's thread does not poll from its start (within a

@@ -1,6 +1,7 @@
 // Communicator threads, completion threads and started calls (async.h).
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cstring>
 #include <map>
 #include <thread>
@@ -240,8 +241,54 @@ void PostOn(int64_t comm, std::function<void()> job) {
   t->Post(std::move(job));
 }
 
+namespace {
+// Call sites' records under "auto" (SiteRecord), by (communicator, site); a freed
+// communicator's go (a job still running keeps its own). Never destroyed, as the threads.
+struct SiteRecords {
+  std::mutex mutex;
+  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<SiteRecord>> live;
+};
+SiteRecords& TheSiteRecords() {
+  static SiteRecords* r = new SiteRecords();
+  return *r;
+}
+int64_t Ns(const timespec& t) { return int64_t{t.tv_sec} * 1'000'000'000 + t.tv_nsec; }
+}  // namespace
+
+std::shared_ptr<SiteRecord> SiteRecordOf(int64_t comm, int64_t site) {
+  SiteRecords& r = TheSiteRecords();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto& record = r.live[{comm, site}];
+  if (!record) record = std::make_shared<SiteRecord>();
+  return record;
+}
+
+ThreadCpu::ThreadCpu() {
+  timespec t;
+  if (pthread_getcpuclockid(pthread_self(), &clock_) == 0 && clock_gettime(clock_, &t) == 0) {
+    start_ = Ns(t);
+  }
+}
+
+void ThreadCpu::Restart() {
+  timespec t;
+  start_ = start_ >= 0 && clock_gettime(clock_, &t) == 0 ? Ns(t) : -1;
+}
+
+int64_t ThreadCpu::Since() const {
+  timespec t;
+  if (start_ < 0 || clock_gettime(clock_, &t) != 0) return -1;  // (the thread has ended)
+  return std::max<int64_t>(Ns(t) - start_, 0);
+}
+
 // The communicator was freed: its thread ends (after a job it may still run).
 void StopCommThread(int64_t comm) {
+  {
+    SiteRecords& r = TheSiteRecords();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    auto it = r.live.lower_bound({comm, INT64_MIN});
+    while (it != r.live.end() && it->first.first == comm) it = r.live.erase(it);
+  }
   CommThreads& all = TheCommThreads();
   std::lock_guard<std::mutex> lock(all.mutex);
   auto it = all.threads.find(comm);

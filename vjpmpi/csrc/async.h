@@ -14,6 +14,9 @@
 // 1 MiB send + recv over loopback TCP 1.08-1.11x mpi4jax's time).
 #pragma once
 
+#include <pthread.h>
+#include <time.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -21,6 +24,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -143,6 +147,87 @@ inline bool GoesAsync(size_t moved, const CommEntry& ce) {
   return ThreadLevel() >= MPI_THREAD_SERIALIZED;
 }
 
+// ------------------------------------------------- "auto", call site by call site --
+// Under "auto", a call that the threshold sends to the communicator's thread (not one
+// that a started call sends there) goes there only while that pays, call site by call
+// site: the hand-offs cost every call (a 1 MiB sendrecv over loopback TCP in a loop with
+// nothing beside it took 1.07-1.12x mpi4jax's time asynchronously, 0.92-1.02x not),
+// and what they buy is the computation XLA's thread runs while the message travels (a
+// halo step's interior: 1.33x its compute time against 1.41x synchronously). The thread
+// that posted the call is XLA's: its CPU time while the MPI call runs (its own clock,
+// pthread_getcpuclockid, read from the thread that runs the call; not the process's,
+// which counts that thread's spinning in MPI and every other thread's work) is what ran
+// beside the call (a 1 MiB exchange in a loop: 13-29 us of 340 us; beside a halo
+// step's interior: 0.2-44 ms of 40 ms). Where that stayed under kOverlapFloorNs and a
+// quarter of the call's time in kIdleRuns asynchronous runs in a row, the site's next
+// kSyncRuns runs stay on XLA's thread; then one runs asynchronously again, to see (and
+// where nothing ran beside it either, the next kSyncRuns stay again). A large started
+// call (vjpmpi.start) that XLA's thread posts is polled from its start the same way:
+// while the program computes at least kOverlapFloorNs between its start and its wait.
+// The MPI calls are the same on either thread, so ranks may choose differently.
+class SiteRecord {
+ public:
+  static constexpr int kIdleRuns = 3;
+  static constexpr int kSyncRuns = 64;
+  static constexpr int64_t kOverlapFloorNs = 50'000;
+
+  // (XLA's thread, for a call "auto" sends to the communicator's thread) Whether this
+  // run stays on XLA's thread instead.
+  bool StaysSynchronous() {
+    int left = sync_left_.load(std::memory_order_relaxed);
+    while (left > 0) {
+      if (sync_left_.compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) {
+        return true;
+      }
+    }
+    return false;
+  }
+  // (after an asynchronous run) Whether what XLA's thread computed meanwhile
+  // (`beside_ns`, ns; negative: not known) paid for the hand-offs (`call_ns`: how long
+  // the MPI call took; 0 for a started call: only kOverlapFloorNs counts).
+  void Measured(int64_t beside_ns, int64_t call_ns) {
+    if (beside_ns < 0 || beside_ns >= kOverlapFloorNs || (call_ns > 0 && 4 * beside_ns >= call_ns)) {
+      idle_.store(0, std::memory_order_relaxed);
+    } else if (idle_.fetch_add(1, std::memory_order_relaxed) + 1 >= kIdleRuns) {
+      idle_.store(kIdleRuns - 1, std::memory_order_relaxed);  // (the probe decides alone)
+      sync_left_.store(kSyncRuns, std::memory_order_relaxed);
+    }
+  }
+
+ private:
+  std::atomic<int> idle_{0}, sync_left_{0};
+};
+
+// The record of call site `site` on communicator `comm` (made at its first call; it goes
+// when the communicator is freed, StopCommThread).
+std::shared_ptr<SiteRecord> SiteRecordOf(int64_t comm, int64_t site);
+
+// Whether "auto" decides where a call that GoesAsync sends to the communicator's thread
+// runs (not where an explicit threshold does, or a started call sends every call there).
+inline bool AutoDecides(const CommEntry& ce) {
+  return AsyncBytes().load(std::memory_order_relaxed) == kAsyncAuto &&
+         ce.started.load(std::memory_order_acquire) == 0;
+}
+
+// The CPU time of the thread that made it (XLA's, which posted a call) since then, in ns;
+// -1 where that thread's clock cannot be read any more.
+class ThreadCpu {
+ public:
+  ThreadCpu();
+  int64_t Since() const;
+  // (on any thread) From now: Since() counts what that thread computes from here.
+  void Restart();
+  // What that thread computed beside the calling thread since then: Since(), or 0 where
+  // the calling thread is that one (XLA's thread that posted a call came back to the loop,
+  // having nothing else to run, and took the call on itself; its time is the call's).
+  int64_t Beside() const { return pthread_equal(owner_, pthread_self()) ? 0 : Since(); }
+
+ private:
+  pthread_t owner_ = pthread_self();
+  clockid_t clock_{};
+  int64_t start_ = -1;
+};
+
 // Whether a large started call that XLA's thread posts (a direct one) is polled by the
 // communicator's thread from its start, so that its messages move while the program
 // computes: where calls may run on that thread (by the threshold: by default, on a
@@ -189,6 +274,10 @@ struct Started {
   // something that can stop the run with XLA's buffers freed while MPI still uses them).
   bool direct = false;
   bool poll_from_start = false;  // (PollsFromStart, where it was started)
+  // (polled from its start by "auto"'s choice: its site's record, and the CPU time of the
+  // thread that started it, read when its wait comes; SiteRecord)
+  std::shared_ptr<SiteRecord> record;
+  std::optional<ThreadCpu> started_by;
   bool wait_to_end = false;      // its wait tests it until it is done (a direct call
                                  // XLA's thread posts, not polled from its start)
   std::vector<unsigned char> send, recv;

@@ -3,11 +3,13 @@
 // call runs on its communicator's thread (async.h). This module also carries vjpmpi's
 // Python interface to the one runtime (configure, comm_number, ...), which lives in the
 // core library (libvjpmpi_core.so) that every backend module links.
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <cstdint>
 #include <stdexcept>
@@ -18,6 +20,7 @@
 #include "module_common.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
+#include "nanobind/stl/pair.h"
 #include "nanobind/stl/vector.h"
 
 namespace nb = nanobind;
@@ -145,6 +148,58 @@ void DefineRuntime(nb::module_& m) {
   // vjpmpi calls running now (guarded, in any thread), for the tests of overlap
   m.def("_in_flight", []() { return runtime.in_flight.load(); });
   m.def("_async_calls", []() { return runtime.async_calls.load(); });
+  m.def("_auto_kept_calls", []() { return runtime.auto_kept_calls.load(); });
+  // A call site's record under "auto" (SiteRecord), fresh, through `runs` runs: each
+  // asks whether it stays on XLA's thread, and one that does not measures the next of
+  // `measured` ((ns computed beside it, ns the call took), in turn); returns whether each
+  // run stayed.
+  m.def("_site_record_probe", [](int64_t runs, std::vector<std::pair<int64_t, int64_t>> measured) {
+    SiteRecord record;
+    std::vector<bool> kept;
+    size_t next = 0;
+    for (int64_t i = 0; i < runs; ++i) {
+      kept.push_back(record.StaysSynchronous());
+      if (!kept.back() && !measured.empty()) {
+        record.Measured(measured[next].first, measured[next].second);
+        next = (next + 1) % measured.size();
+      }
+    }
+    return kept;
+  });
+  // The CPU time (us) of a thread that spins, read on its clock (ThreadCpu) from this
+  // thread once the thread has read `spin_us` on its own clock, while it still spins.
+  m.def("_thread_cpu_probe", [](int64_t spin_us) {
+    std::optional<ThreadCpu> clock;
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool spun = false;
+    std::atomic<bool> stop{false};
+    std::thread t([&] {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        clock.emplace();
+      }
+      while (clock->Since() < spin_us * 1000) {
+      }
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        spun = true;
+      }
+      cv.notify_all();
+      while (!stop.load()) {
+      }
+    });
+    int64_t ns;
+    {
+      nb::gil_scoped_release release;
+      std::unique_lock<std::mutex> lock(mutex);
+      cv.wait(lock, [&] { return spun; });
+      ns = clock->Since();
+      stop.store(true);
+    }
+    t.join();
+    return static_cast<double>(ns) / 1000;
+  });
   m.def("_started_polled_from_start",
         []() { return runtime.started_polled_from_start.load(); });
   m.def("_started_handed_over", []() { return runtime.started_handed_over.load(); });

@@ -302,6 +302,8 @@ inline ffi::Future WaitFor(int64_t comm, int64_t slot, int64_t run, void* y, siz
         "failed, or its start did not run: a vjpmpi bug)"));
     return future;
   }
+  // (whether the program computed between the start and now: SiteRecord)
+  if (s->record) s->record->Measured(s->started_by ? s->started_by->Since() : -1, 0);
   const auto until = std::chrono::steady_clock::now() + kWaitSpin;
   bool handed = false;  // (to the communicator's thread: not done within the spin)
   s->waiting.store(true, std::memory_order_release);

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
@@ -201,6 +202,12 @@ std::string Tail(Runtime& rt, Mem& mem, Call& c, const Attrs& a, CommEntry* ce, 
   return e;
 }
 
+// A started call moving more than this is polled by the communicator's thread from its
+// start where that pays (Started::poll_from_start: a large message moves only while a
+// thread tests it); a smaller one goes in one piece (MPI's eager protocol), and its wait
+// tests it first.
+inline constexpr size_t kPollFromStartBytes = size_t{1} << 16;
+
 // Everything a handler does around its MPI call: the communicator the program names
 // (alive, and for a collective this thread's), `prepare` (what needs the communicator,
 // such as its size), then Tail. `body` copies what it uses (raw pointers, not XLA's
@@ -238,6 +245,16 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
     // posted on its thread (they come first).
     const bool here = started->direct && ce->started.load(std::memory_order_acquire) == 0;
     started->poll_from_start = PollsFromStart(*ce);
+    // ("auto": polled from its start while its site's program computes between its start
+    // and its wait; SiteRecord)
+    if (here && started->poll_from_start && moved > kPollFromStartBytes && AutoDecides(*ce)) {
+      started->record = SiteRecordOf(ce->id, a.site);
+      if (started->record->StaysSynchronous()) {
+        started->poll_from_start = false;
+        started->record = nullptr;
+        rt->auto_kept_calls.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
     started->wait_to_end = here && !started->poll_from_start;
     if (ThreadMultiple() && !here) {
       ce->started.fetch_add(1, std::memory_order_acq_rel);
@@ -254,6 +271,7 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
       });
     } else {  // (here, or below MPI_THREAD_MULTIPLE: the start makes the whole call)
       std::string e = Tail(*rt, mem, c, a, ce, collective, body);
+      if (started->record) started->started_by.emplace();  // (from the messages' post)
       if (!started->posted || !e.empty()) started->Finish(std::move(e));
     }
     return Finish<Async>(std::string());
@@ -261,7 +279,18 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
   }
   if (e.empty()) {
     if constexpr (Async) {
-      const bool go = GoesAsync(moved, *ce);
+      bool go = GoesAsync(moved, *ce);
+      // ("auto": where this call site's last asynchronous runs had nothing beside them,
+      // it stays here for a while; SiteRecord)
+      std::shared_ptr<SiteRecord> record;
+      if (go && AutoDecides(*ce)) {
+        record = SiteRecordOf(ce->id, a.site);
+        if (record->StaysSynchronous()) {
+          go = false;
+          record = nullptr;
+          rt->auto_kept_calls.fetch_add(1, std::memory_order_relaxed);
+        }
+      }
       // (the agreement here, on the calling thread, before the post: on the
       // communicator's thread a later program's first collective once waited for ever
       // in MPICH, probably the blocking/nonblocking mismatch of async.h's
@@ -274,11 +303,18 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
         ffi::Future future(promise);
         // (the dimensions live in XLA's call frame, which ends when this returns)
         std::vector<int64_t> dims(c.dims, c.dims + c.ndim), dims2(c.dims2, c.dims2 + c.ndim2);
-        PostOn(ce->id, [rt, mem, c, a, ce, collective, busy, body, promise, k,
+        ThreadCpu xla;  // (what this thread computes while the call runs)
+        PostOn(ce->id, [rt, mem, c, a, ce, collective, busy, body, promise, k, record, xla,
                         dims = std::move(dims), dims2 = std::move(dims2)]() mutable {
           c.dims = dims.data();
           c.dims2 = dims2.data();
+          const auto began = std::chrono::steady_clock::now();
+          if (record) xla.Restart();  // (not the post's own work: a new thread's start)
           std::string e = Tail(*rt, mem, c, a, ce, collective, body, true, k);
+          if (record) {
+            record->Measured(xla.Beside(), std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                              std::chrono::steady_clock::now() - began).count());
+          }
           if (busy) ce->busy.store(false, std::memory_order_release);
           if (!e.empty()) ForgetRun(a.run);
           // (completing the future runs XLA's continuation, the program's next steps,
@@ -345,12 +381,6 @@ inline void PollStarted(const std::shared_ptr<Started>& started) {
            [poll]() mutable { CurrentCommThread()->AddPoll(std::move(poll)); });
   }
 }
-
-// A started call moving more than this is polled by the communicator's thread from its
-// start where that pays (Started::poll_from_start: a large message moves only while a
-// thread tests it); a smaller one goes in one piece (MPI's eager protocol), and its wait
-// tests it first.
-inline constexpr size_t kPollFromStartBytes = size_t{1} << 16;
 
 // The MPI calls of a started call (vjpmpi.start): its messages posted (Post), then tested
 // until they are done, which ends `started`. Posted on the communicator's thread, or, a

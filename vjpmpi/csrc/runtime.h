@@ -96,6 +96,9 @@ struct Runtime {
   std::atomic<int64_t> overlaps{0};
   std::atomic<int64_t> calls{0};
   std::atomic<int64_t> async_calls{0};  // calls run on a communicator's thread
+  // calls that "auto" kept on XLA's thread: their site's last asynchronous runs had
+  // nothing beside them (SiteRecord)
+  std::atomic<int64_t> auto_kept_calls{0};
   std::atomic<int64_t> started_polled_from_start{0};  // direct started calls (PostStarted)
   std::atomic<int64_t> started_handed_over{0};  // by their wait, not done (WaitFor)
   // polls of started calls on a communicator's thread that found the call's wait testing
