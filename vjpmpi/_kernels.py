@@ -206,7 +206,7 @@ def async_threshold(nbytes: int | str | None):
     than one node (as MPI_COMM_TYPE_SHARED splits COMM_WORLD) and None on one within a
     node, where nothing overlaps and the thread hand-offs only cost; across nodes, a call
     site whose last three asynchronous runs had nothing computed beside them (by the
-    posting thread: under 50 us and a quarter of the call) runs its next 64 calls
+    posting thread: under 200 us and a quarter of the call) runs its next 64 calls
     synchronously, then probes again. The setting applies
     to the programs dispatched inside the block, whenever they were compiled: entering and
     leaving wait for the programs already dispatched (`jax.effects_barrier()`), so that one

@@ -281,7 +281,7 @@ def test_started_calls_polled_from_their_start_follow_the_node_layout():
 
 
 # ------------------------------------------------ "auto", call site by call site --
-FLOOR_NS = 50_000  # (async.h: SiteRecord::kOverlapFloorNs)
+FLOOR_NS = 200_000  # (async.h: SiteRecord::kOverlapFloorNs)
 
 
 @pytest.mark.parametrize("measured, stays", [
@@ -293,15 +293,15 @@ FLOOR_NS = 50_000  # (async.h: SiteRecord::kOverlapFloorNs)
     ([(30_000, 120_000)], [False] * 140),       # a quarter of the call's time
     ([(29_000, 120_000)], [False] * 3 + [True] * 64 + [False]),
     ([(-1, 400_000)], [False] * 140),           # the thread's clock not read: asynchronous
-    ([(10_000, 400_000)] * 2 + [(60_000, 400_000)], [False] * 140),  # never 3 in a row
+    ([(10_000, 400_000)] * 2 + [(FLOOR_NS, 400_000)], [False] * 140),  # never 3 in a row
     # a started call (0: only the floor counts, not the quarter of its time)
-    ([(40_000, 0)], [False] * 3 + [True] * 64 + [False]),
-    ([(60_000, 0)], [False] * 140),
+    ([(FLOOR_NS - 1, 0)], [False] * 3 + [True] * 64 + [False]),
+    ([(FLOOR_NS, 0)], [False] * 140),
 ])
 def test_auto_keeps_a_call_site_on_xlas_thread_while_nothing_runs_beside_it(measured, stays):
     """"auto"'s record of a call site (async.h, SiteRecord): each asynchronous run reports
     what XLA's thread computed beside the call; where that stayed under both the floor
-    (50 us) and a quarter of the call's time three runs in a row, the next 64 runs stay
+    (200 us) and a quarter of the call's time three runs in a row, the next 64 runs stay
     on XLA's thread, then one runs asynchronously again."""
     got = _kernels.cpu._site_record_probe(len(stays), measured)
     assert got == stays[:len(got)] and len(got) == len(stays), [
@@ -425,6 +425,59 @@ def test_auto_keeps_a_call_asynchronous_while_xla_computes_beside_it():
             assert w == (0, 0), went
         elif r != 1:  # (rank 1's call, entered last, may end before its callback spins)
             assert w == (6, 0), went
+
+
+def test_auto_polls_a_started_call_from_its_start_while_the_program_computes_between():
+    """A started 1 MiB exchange (vjpmpi.start) across nodes under "auto": waited for at
+    once in a loop of 80, the site's calls stop being polled from their start after
+    three (the wait tests each to its end, as within a node), but for a probe every 65th
+    (and a few more where other work fell beside one: at most 12); with matrix products
+    computed between each start and its wait (between fences: a millisecond or more),
+    every one of 6 is polled from its start. (A program with a host callback copies its
+    started calls' arrays and posts them on the communicator's thread: not polled from
+    its start by XLA's, so none here.) Every value arrives. tests/test_multirank.py runs this on
+    two nodes."""
+    comms, nodes = _node_comms()
+    spans = comms["default"][1]
+    n = _kernels.AUTO_ASYNC_BYTES // 4
+    x = np.arange(n, dtype=np.float32) + 1000 * rank
+
+    @jax.jit
+    def at_once(v):
+        def body(i, c):
+            return vjpmpi.wait(vjpmpi.start(vjpmpi.sendrecv, c, c, source=prv, dest=nxt))
+        return jax.lax.fori_loop(0, 80, body, v)
+
+    @jax.jit
+    def between(v, y):  # (a millisecond or more of matrix products between the two)
+        h = vjpmpi.start(vjpmpi.sendrecv, v, v, source=prv, dest=nxt)
+        y = vjpmpi.fence(y)
+        y = vjpmpi.fence(_dots(y, 4)[-1])
+        return vjpmpi.wait(h), y
+
+    y = jnp.asarray(rng(6).standard_normal((128, 128)), jnp.float32) / 16
+    with vjpmpi.async_threshold(None):  # (compiled and run once)
+        at_once(x).block_until_ready()
+        jax.block_until_ready(between(x, y))
+    went = []
+    for f, args, runs, want in (
+            (at_once, (x,), 1, np.arange(n, dtype=np.float32) + 1000 * ((rank - 80) % size)),
+            (between, (x, y), 6, np.arange(n, dtype=np.float32) + 1000 * prv)):
+        before = (_kernels.cpu._started_polled_from_start(), _kernels.cpu._auto_kept_calls())
+        for _ in range(runs):
+            out = f(*args)
+            np.testing.assert_array_equal(np.asarray(out[0] if runs > 1 else out), want)
+        went.append((_kernels.cpu._started_polled_from_start() - before[0],
+                     _kernels.cpu._auto_kept_calls() - before[1]))
+    for name in ("dup", "node", "across", "halves"):
+        comms[name][0].Free()
+    went = WORLD.allgather(went)  # (every rank fails together)
+    for r, (loop, computed) in enumerate(went):
+        if not spans:
+            assert loop == computed == (0, 0), (r, went)
+            continue
+        assert 3 <= loop[0] <= 12 and sum(loop) == 80, (r, went)
+        assert computed == (6, 0), (r, went)
 
 
 @needs2

@@ -303,17 +303,19 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
         ffi::Future future(promise);
         // (the dimensions live in XLA's call frame, which ends when this returns)
         std::vector<int64_t> dims(c.dims, c.dims + c.ndim), dims2(c.dims2, c.dims2 + c.ndim2);
-        ThreadCpu xla;  // (what this thread computes while the call runs)
+        // (what this thread computes while the call runs, where "auto" asks)
+        std::optional<ThreadCpu> xla;
+        if (record) xla.emplace();
         PostOn(ce->id, [rt, mem, c, a, ce, collective, busy, body, promise, k, record, xla,
                         dims = std::move(dims), dims2 = std::move(dims2)]() mutable {
           c.dims = dims.data();
           c.dims2 = dims2.data();
           const auto began = std::chrono::steady_clock::now();
-          if (record) xla.Restart();  // (not the post's own work: a new thread's start)
+          if (xla) xla->Restart();  // (not the post's own work: a new thread's start)
           std::string e = Tail(*rt, mem, c, a, ce, collective, body, true, k);
           if (record) {
-            record->Measured(xla.Beside(), std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                              std::chrono::steady_clock::now() - began).count());
+            record->Measured(xla->Beside(), std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                               std::chrono::steady_clock::now() - began).count());
           }
           if (busy) ce->busy.store(false, std::memory_order_release);
           if (!e.empty()) ForgetRun(a.run);
