@@ -579,7 +579,8 @@ def test_async_default_on_two_nodes(tmp_path):
              "test_started_calls_polled_from_their_start_follow_the_node_layout",
              "test_auto_runs_a_loop_of_exchanges_alone_on_xlas_thread",
              "test_auto_keeps_a_call_asynchronous_while_xla_computes_beside_it",
-             "test_auto_polls_a_started_call_from_its_start_while_the_program_computes_between")
+             "test_auto_polls_a_started_call_from_its_start_while_the_program_computes_between",
+             "test_auto_decides_for_each_of_a_sites_calls_in_a_run")
     run = Job(4, ["-m", "pytest", "mpi/test_async.py", "-q", "-p", "no:cacheprovider",
                   "-k", " or ".join(tests), f"--junitxml={tmp_path}/results.rank{{rank}}.xml"],
               timeout=300, env=env, hosts="localhost:2,127.0.0.1:2").result()

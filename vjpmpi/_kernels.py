@@ -205,9 +205,9 @@ def async_threshold(nbytes: int | str | None):
     read at import, overrides it) is 1 MiB on a communicator whose processes are on more
     than one node (as MPI_COMM_TYPE_SHARED splits COMM_WORLD) and None on one within a
     node, where nothing overlaps and the thread hand-offs only cost; across nodes, a call
-    site whose last three asynchronous runs had nothing computed beside them (by the
-    posting thread: under 200 us and a quarter of the call) runs its next 64 calls
-    synchronously, then probes again. The setting applies
+    site whose last three asynchronous runs had nothing computed beside them (under
+    200 us and a quarter of the call) runs its next 64 calls synchronously, then probes
+    again (docs/guides/async.md). The setting applies
     to the programs dispatched inside the block, whenever they were compiled: entering and
     leaving wait for the programs already dispatched (`jax.effects_barrier()`), so that one
     program never runs under two settings. The MPI call is the same blocking call on

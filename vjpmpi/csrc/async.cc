@@ -246,7 +246,10 @@ namespace {
 // communicator's go (a job still running keeps its own). Never destroyed, as the threads.
 struct SiteRecords {
   std::mutex mutex;
-  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<SiteRecord>> live;
+  // (communicator, site, place among the site's calls in a run)
+  std::map<std::tuple<int64_t, int64_t, int>, std::shared_ptr<SiteRecord>> live;
+  // each communicator's last run, and how many calls of each site it made
+  std::unordered_map<int64_t, std::pair<int64_t, std::unordered_map<int64_t, int>>> runs;
 };
 SiteRecords& TheSiteRecords() {
   static SiteRecords* r = new SiteRecords();
@@ -255,10 +258,18 @@ SiteRecords& TheSiteRecords() {
 int64_t Ns(const timespec& t) { return int64_t{t.tv_sec} * 1'000'000'000 + t.tv_nsec; }
 }  // namespace
 
-std::shared_ptr<SiteRecord> SiteRecordOf(int64_t comm, int64_t site) {
+std::shared_ptr<SiteRecord> SiteRecordOf(int64_t comm, int64_t site, int64_t run) {
   SiteRecords& r = TheSiteRecords();
   std::lock_guard<std::mutex> lock(r.mutex);
-  auto& record = r.live[{comm, site}];
+  auto& [last, made] = r.runs[comm];
+  if (last != run) {
+    last = run;
+    made.clear();
+  }
+  int& n = made[site];
+  const int place = std::min(n, kSitePlaces - 1);
+  if (n < kSitePlaces) ++n;
+  auto& record = r.live[{comm, site, place}];
   if (!record) record = std::make_shared<SiteRecord>();
   return record;
 }
@@ -273,6 +284,19 @@ ThreadCpu::ThreadCpu() {
 void ThreadCpu::Restart() {
   timespec t;
   start_ = start_ >= 0 && clock_gettime(clock_, &t) == 0 ? Ns(t) : -1;
+  process_ = clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t) == 0 ? Ns(t) : -1;
+  self_ = clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t) == 0 ? Ns(t) : -1;
+}
+
+int64_t ThreadCpu::Beside() const {
+  const int64_t xla = pthread_equal(owner_, pthread_self()) ? 0 : Since();
+  if (xla < 0 || process_ < 0 || self_ < 0) return -1;
+  timespec p, t;
+  if (clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &p) != 0 ||
+      clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t) != 0) {
+    return -1;
+  }
+  return std::max(xla, (Ns(p) - process_) - (Ns(t) - self_));
 }
 
 int64_t ThreadCpu::Since() const {
@@ -286,8 +310,9 @@ void StopCommThread(int64_t comm) {
   {
     SiteRecords& r = TheSiteRecords();
     std::lock_guard<std::mutex> lock(r.mutex);
-    auto it = r.live.lower_bound({comm, INT64_MIN});
-    while (it != r.live.end() && it->first.first == comm) it = r.live.erase(it);
+    auto it = r.live.lower_bound({comm, INT64_MIN, 0});
+    while (it != r.live.end() && std::get<0>(it->first) == comm) it = r.live.erase(it);
+    r.runs.erase(comm);
   }
   CommThreads& all = TheCommThreads();
   std::lock_guard<std::mutex> lock(all.mutex);

@@ -1,5 +1,6 @@
 // Asynchronous collectives on the host: a thread per communicator runs the MPI calls of
-// the handlers that move at least the threshold (GoesAsync), in the order the
+// the handlers that move at least the threshold (GoesAsync; under "auto", call sites
+// whose program computes beside them: SiteRecord), in the order the
 // handlers post them, while XLA's executor runs whatever in the program does not wait
 // for the message; the handler returns a future that the job completes, on another
 // thread (Completers below).
@@ -152,21 +153,23 @@ inline bool GoesAsync(size_t moved, const CommEntry& ce) {
 // that a started call sends there) goes there only while that pays, call site by call
 // site: the hand-offs cost every call (a 1 MiB sendrecv over loopback TCP in a loop with
 // nothing beside it took 1.07-1.12x mpi4jax's time asynchronously, 0.92-1.02x not),
-// and what they buy is the computation XLA's thread runs while the message travels (a
-// halo step's interior: 1.33x its compute time against 1.41x synchronously). The thread
-// that posted the call is XLA's: its CPU time while the MPI call runs (its own clock,
-// pthread_getcpuclockid, read from the thread that runs the call; not the process's,
-// which counts that thread's spinning in MPI and every other thread's work) is what ran
-// beside the call (a 1 MiB exchange in a loop over TCP: mostly 0, that thread having
-// come back and taken the call on itself, at most 0.19 ms of 0.6-8 ms at 4 ranks on 2
-// cores; beside a halo step's interior: 0.2-44 ms of 40 ms). Where that stayed under
+// and what they buy is the computation XLA's threads run while the message travels (a
+// halo step's interior: 1.33x its compute time against 1.41x synchronously). What ran
+// beside the call is the CPU time, while the MPI call runs, of the thread that posted it
+// (its own clock, pthread_getcpuclockid, read from the thread that runs the call), or of
+// the process's other threads, whichever is more (ThreadCpu::Beside): in a loop of
+// 1 MiB exchanges over TCP mostly 0 (the posting thread came back and took the call on
+// itself), at most 0.19 ms of 0.6-8 ms at 4 ranks on 2 cores; beside a halo step's
+// interior 0.2-44 ms of 40 ms; beside a backward pass 46 ms of 48 ms, on another thread
+// than the one that posted the gradients' allreduce. Where that stayed under
 // kOverlapFloorNs (0.2 ms: a loop's own work beside its calls, on a busy node, reached
-// 0.11 ms at a floor of 50 us) and a quarter of the call's time in kIdleRuns asynchronous runs in a row, the site's next
-// kSyncRuns runs stay on XLA's thread; then one runs asynchronously again, to see (and
-// where nothing ran beside it either, the next kSyncRuns stay again). A large started
-// call (vjpmpi.start) that XLA's thread posts is polled from its start the same way:
-// while the program computes at least kOverlapFloorNs between its start and its wait.
-// The MPI calls are the same on either thread, so ranks may choose differently.
+// 0.11 ms) and a quarter of the call's time in kIdleRuns asynchronous runs in a row,
+// the site's next kSyncRuns runs stay on XLA's thread; then one runs asynchronously
+// again, to see (and where nothing ran beside it either, the next kSyncRuns stay
+// again). A large started call (vjpmpi.start) that XLA's thread posts is polled from
+// its start the same way: while the program computes at least kOverlapFloorNs between
+// its start and its wait. The MPI calls are the same on either thread, so ranks may
+// choose differently.
 class SiteRecord {
  public:
   static constexpr int kIdleRuns = 3;
@@ -188,7 +191,8 @@ class SiteRecord {
   // (`beside_ns`, ns; negative: not known) paid for the hand-offs (`call_ns`: how long
   // the MPI call took; 0 for a started call: only kOverlapFloorNs counts).
   void Measured(int64_t beside_ns, int64_t call_ns) {
-    if (beside_ns < 0 || beside_ns >= kOverlapFloorNs || (call_ns > 0 && 4 * beside_ns >= call_ns)) {
+    if (beside_ns < 0 || beside_ns >= kOverlapFloorNs ||
+        (call_ns > 0 && 4 * beside_ns >= call_ns)) {
       idle_.store(0, std::memory_order_relaxed);
     } else if (idle_.fetch_add(1, std::memory_order_relaxed) + 1 >= kIdleRuns) {
       idle_.store(kIdleRuns - 1, std::memory_order_relaxed);  // (the probe decides alone)
@@ -200,9 +204,15 @@ class SiteRecord {
   std::atomic<int> idle_{0}, sync_left_{0};
 };
 
-// The record of call site `site` on communicator `comm` (made at its first call; it goes
-// when the communicator is freed, StopCommThread).
-std::shared_ptr<SiteRecord> SiteRecordOf(int64_t comm, int64_t site);
+// The record of call site `site` on communicator `comm` for its call in XLA's run `run`
+// (made at its first call; it goes when the communicator is freed, StopCommThread). A
+// site's first kSitePlaces - 1 calls in a run have a record each, its later calls one
+// between them: the buckets of a gradient sync are one site, and the first ones travel
+// while the backward pass computes, the last after it (one record for all made the last
+// buckets' idle runs keep the first ones synchronous: a data-parallel step took 2.00x its
+// compute against 1.62x); a loop's calls of one site share a record.
+inline constexpr int kSitePlaces = 16;
+std::shared_ptr<SiteRecord> SiteRecordOf(int64_t comm, int64_t site, int64_t run);
 
 // Whether "auto" decides where a call that GoesAsync sends to the communicator's thread
 // runs (not where an explicit threshold does, or a started call sends every call there).
@@ -217,17 +227,23 @@ class ThreadCpu {
  public:
   ThreadCpu();
   int64_t Since() const;
-  // (on any thread) From now: Since() counts what that thread computes from here.
+  // (on the thread that runs the call) From now: Since() counts what that thread computes
+  // from here, and Beside() what the process's other threads compute.
   void Restart();
-  // What that thread computed beside the calling thread since then: Since(), or 0 where
-  // the calling thread is that one (XLA's thread that posted a call came back to the loop,
-  // having nothing else to run, and took the call on itself; its time is the call's).
-  int64_t Beside() const { return pthread_equal(owner_, pthread_self()) ? 0 : Since(); }
+  // What XLA computed beside the calling thread since Restart: the most of that thread's
+  // time (0 where the calling thread is that one: XLA's thread that posted the call came
+  // back to the loop, having nothing else to run, and took the call on itself) and the
+  // process's time less the calling thread's (XLA's other threads: a backward pass that
+  // computes on one while another posted the gradients' allreduce). The process's clock
+  // counts another thread's time as the scheduler ticks (every 4 ms here) while that
+  // thread runs: never more than it computed.
+  int64_t Beside() const;
 
  private:
   pthread_t owner_ = pthread_self();
   clockid_t clock_{};
   int64_t start_ = -1;
+  int64_t process_ = -1, self_ = -1;  // (at Restart)
 };
 
 // Whether a large started call that XLA's thread posts (a direct one) is polled by the

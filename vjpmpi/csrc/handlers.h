@@ -248,7 +248,7 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
     // ("auto": polled from its start while its site's program computes between its start
     // and its wait; SiteRecord)
     if (here && started->poll_from_start && moved > kPollFromStartBytes && AutoDecides(*ce)) {
-      started->record = SiteRecordOf(ce->id, a.site);
+      started->record = SiteRecordOf(ce->id, a.site, a.run);
       if (started->record->StaysSynchronous()) {
         started->poll_from_start = false;
         started->record = nullptr;
@@ -284,7 +284,7 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
       // it stays here for a while; SiteRecord)
       std::shared_ptr<SiteRecord> record;
       if (go && AutoDecides(*ce)) {
-        record = SiteRecordOf(ce->id, a.site);
+        record = SiteRecordOf(ce->id, a.site, a.run);
         if (record->StaysSynchronous()) {
           go = false;
           record = nullptr;
