@@ -288,6 +288,12 @@ void ThreadCpu::Restart() {
   self_ = clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t) == 0 ? Ns(t) : -1;
 }
 
+int64_t ThreadCpu::ProcessSince() const {
+  timespec p;
+  if (process_ < 0 || clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &p) != 0) return -1;
+  return Ns(p) - process_;
+}
+
 int64_t ThreadCpu::Beside() const {
   const int64_t xla = pthread_equal(owner_, pthread_self()) ? 0 : Since();
   if (xla < 0 || process_ < 0 || self_ < 0) return -1;

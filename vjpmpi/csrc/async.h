@@ -238,6 +238,9 @@ class ThreadCpu {
   // counts another thread's time as the scheduler ticks (every 4 ms here) while that
   // thread runs: never more than it computed.
   int64_t Beside() const;
+  // The process's CPU time since Restart (every thread's; another running thread's as
+  // the scheduler ticks), in ns; -1 where not read.
+  int64_t ProcessSince() const;
 
  private:
   pthread_t owner_ = pthread_self();
@@ -293,7 +296,7 @@ struct Started {
   bool direct = false;
   bool poll_from_start = false;  // (PollsFromStart, where it was started)
   // (polled from its start by "auto"'s choice: its site's record, and the CPU time of the
-  // thread that started it, read when its wait comes; SiteRecord)
+  // thread that started it and of the process, read when its wait comes; SiteRecord)
   std::shared_ptr<SiteRecord> record;
   std::optional<ThreadCpu> started_by;
   bool wait_to_end = false;      // its wait tests it until it is done (a direct call

@@ -302,8 +302,14 @@ inline ffi::Future WaitFor(int64_t comm, int64_t slot, int64_t run, void* y, siz
         "failed, or its start did not run: a vjpmpi bug)"));
     return future;
   }
-  // (whether the program computed between the start and now: SiteRecord)
-  if (s->record) s->record->Measured(s->started_by ? s->started_by->Since() : -1, 0);
+  // (whether the program computed between the start and now: the starting thread's CPU
+  // time or the process's, whichever is more; SiteRecord. The process's counts the
+  // communicator's thread polling the call too: that errs towards polling from the start)
+  if (s->record) {
+    const int64_t beside =
+        s->started_by ? std::max(s->started_by->Since(), s->started_by->ProcessSince()) : -1;
+    s->record->Measured(beside, 0);
+  }
   const auto until = std::chrono::steady_clock::now() + kWaitSpin;
   bool handed = false;  // (to the communicator's thread: not done within the spin)
   s->waiting.store(true, std::memory_order_release);

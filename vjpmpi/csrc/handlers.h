@@ -271,7 +271,10 @@ Result<Async> Run(Mem& mem, Call& c, const Attrs& a, bool collective, size_t mov
       });
     } else {  // (here, or below MPI_THREAD_MULTIPLE: the start makes the whole call)
       std::string e = Tail(*rt, mem, c, a, ce, collective, body);
-      if (started->record) started->started_by.emplace();  // (from the messages' post)
+      if (started->record) {  // (from the messages' post)
+        started->started_by.emplace();
+        started->started_by->Restart();
+      }
       if (!started->posted || !e.empty()) started->Finish(std::move(e));
     }
     return Finish<Async>(std::string());
