@@ -375,29 +375,49 @@ def test_auto_runs_a_loop_of_exchanges_alone_on_xlas_thread():
     assert nodes == 1 or any(s["default"][3] for s in seen)
 
 
+_LATE = {"on": False}
+
+
+def _late_delay(x):  # (rank 1 enters the call 30 ms late, while _LATE is on)
+    if rank == 1 and _LATE["on"]:
+        time.sleep(0.03)
+    return x
+
+
+def _burn_while_in_flight(y):  # (XLA's thread computes: 5 ms of CPU while a call is in flight)
+    until = time.monotonic() + 0.2
+    while _LATE["on"] and not _kernels.cpu._in_flight() and time.monotonic() < until:
+        pass
+    start = time.thread_time()
+    while _LATE["on"] and time.thread_time() - start < 0.005:
+        pass
+    return y
+
+
+def _six_late_runs(exe, args, sums, want):
+    """Six runs of `exe(*args)` under "auto" with _LATE on, each of `sums(out)` checked
+    against `want`: the (asynchronous, kept synchronous) calls they made."""
+    _LATE["on"] = True
+    before = (_kernels.cpu._async_calls(), _kernels.cpu._auto_kept_calls())
+    try:
+        with vjpmpi.async_threshold("auto"):  # (the 3-rank job's default is 0)
+            for _ in range(6):
+                for s in sums(exe(*args)):
+                    np.testing.assert_array_equal(np.asarray(s), want)
+    finally:
+        _LATE["on"] = False
+    return (_kernels.cpu._async_calls() - before[0], _kernels.cpu._auto_kept_calls() - before[1])
+
+
 def test_auto_keeps_a_call_asynchronous_while_xla_computes_beside_it():
     """A 1 MiB allreduce whose program computes beside it (a callback that spins 5 ms of
     CPU on XLA's thread while the call is in flight; rank 1 enters the call 30 ms late, so
     that it is in flight on every other rank): "auto" keeps it on the communicator's
     thread in every run there, where its communicator spans nodes. tests/test_multirank.py
     runs this on two nodes."""
-    comms, nodes = _node_comms()
-    late = {"on": False}
+    comms, _ = _node_comms()
     n = _kernels.AUTO_ASYNC_BYTES // 4
-
-    def delay(x):
-        if rank == 1 and late["on"]:
-            time.sleep(0.03)
-        return x
-
-    def burn(y):  # (XLA's thread computes: 5 ms of CPU while a call is in flight)
-        until = time.monotonic() + 0.2
-        while late["on"] and not _kernels.cpu._in_flight() and time.monotonic() < until:
-            pass
-        start = time.thread_time()
-        while late["on"] and time.thread_time() - start < 0.005:
-            pass
-        return y
+    delay, burn = _late_delay, _burn_while_in_flight
 
     def f(x, y):
         d = jax.pure_callback(delay, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
@@ -413,14 +433,7 @@ def test_auto_keeps_a_call_asynchronous_while_xla_computes_beside_it():
     with vjpmpi.async_threshold(None):
         jax.block_until_ready(exe(*args))
     spans = comms["default"][1]
-    late["on"] = True
-    before = (_kernels.cpu._async_calls(), _kernels.cpu._auto_kept_calls())
-    with vjpmpi.async_threshold("auto"):  # (the 3-rank job's default is 0)
-        for _ in range(6):
-            r, _, _ = exe(*args)
-            np.testing.assert_array_equal(np.asarray(r), want)
-    late["on"] = False
-    went = (_kernels.cpu._async_calls() - before[0], _kernels.cpu._auto_kept_calls() - before[1])
+    went = _six_late_runs(exe, args, lambda out: [out[0]], want)
     for name in ("dup", "node", "across", "halves"):
         comms[name][0].Free()
     went = WORLD.allgather(went)  # (every rank fails together)
@@ -440,23 +453,9 @@ def test_auto_decides_for_each_of_a_sites_calls_in_a_run():
     gradient sync the last buckets' idle runs kept the first ones synchronous, a
     data-parallel step at 2.00x its compute against 1.62x). tests/test_multirank.py runs
     this on two nodes."""
-    comms, nodes = _node_comms()
-    late = {"on": False}
+    comms, _ = _node_comms()
     n = _kernels.AUTO_ASYNC_BYTES // 4
-
-    def delay(x):
-        if rank == 1 and late["on"]:
-            time.sleep(0.03)
-        return x
-
-    def burn(y):  # (5 ms of CPU while the first call is in flight)
-        until = time.monotonic() + 0.2
-        while late["on"] and not _kernels.cpu._in_flight() and time.monotonic() < until:
-            pass
-        start = time.thread_time()
-        while late["on"] and time.thread_time() - start < 0.005:
-            pass
-        return y
+    delay, burn = _late_delay, _burn_while_in_flight
 
     def f(x, y):
         v = jax.pure_callback(delay, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
@@ -476,15 +475,7 @@ def test_auto_decides_for_each_of_a_sites_calls_in_a_run():
     with vjpmpi.async_threshold(None):
         jax.block_until_ready(exe(*args))
     spans = comms["default"][1]
-    late["on"] = True
-    before = (_kernels.cpu._async_calls(), _kernels.cpu._auto_kept_calls())
-    with vjpmpi.async_threshold("auto"):  # (the 3-rank job's default is 0)
-        for _ in range(6):
-            sums, _ = exe(*args)
-            for s in sums:
-                np.testing.assert_array_equal(np.asarray(s), want)
-    late["on"] = False
-    went = (_kernels.cpu._async_calls() - before[0], _kernels.cpu._auto_kept_calls() - before[1])
+    went = _six_late_runs(exe, args, lambda out: out[0], want)
     for name in ("dup", "node", "across", "halves"):
         comms[name][0].Free()
     went = WORLD.allgather(went)  # (every rank fails together)
@@ -506,7 +497,7 @@ def test_auto_polls_a_started_call_from_its_start_while_the_program_computes_bet
     started calls' arrays and posts them on the communicator's thread: not polled from
     its start by XLA's, so none here.) Every value arrives. tests/test_multirank.py runs this on
     two nodes."""
-    comms, nodes = _node_comms()
+    comms, _ = _node_comms()
     spans = comms["default"][1]
     n = _kernels.AUTO_ASYNC_BYTES // 4
     x = np.arange(n, dtype=np.float32) + 1000 * rank
