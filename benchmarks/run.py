@@ -895,7 +895,8 @@ def overlap_report(o, why, a, a_why, check):
             "communication out; `after` communicates synchronously (every call on XLA's "
             "thread, `vjpmpi.async_threshold(None)`); `overlapped` runs under the default "
             "threshold (`auto`: calls of at least 1 MiB on the communicator's thread where the "
-            "communicator's processes are on more than one node; here: "
+            "communicator's processes are on more than one node, at call sites whose program "
+            "computes beside them; here: "
             + ("every rank its own node" if o.get("default_spans_nodes") else
                "one node, so none: not what this section is for") + ").", "",
             f"Data-parallel MLP training step ({mlp['layers']} layers of {mlp['width']}, "
@@ -911,14 +912,18 @@ def overlap_report(o, why, a, a_why, check):
             "same buckets asynchronous (`overlapped`: the reduce_scatters travel during the "
             "backward pass, the allgathers of the updates after it).", "",
             table(["step", "compute s", "forward s", "after s", "overlapped s",
-                   "allreduce alone s", "after / compute", "overlapped / compute",
-                   "bound / compute", "overlapped / bound"],
+                   "allreduce alone s"],
                   [["allreduce", mlp["compute"], mlp["forward"], mlp["after"],
-                    mlp["overlapped"], mlp["allreduce"], mlp["after_ratio"],
-                    mlp["overlapped_ratio"], bound, mlp.get("overlapped_vs_bound")],
+                    mlp["overlapped"], mlp["allreduce"]],
                    ["ZeRO", mlp["compute"], mlp["forward"], mlp["zero_after"],
-                    mlp["zero_overlapped"], None, mlp["zero_after_ratio"],
-                    mlp["zero_overlapped_ratio"], bound, mlp.get("zero_overlapped_vs_bound")]]),
+                    mlp["zero_overlapped"], None]]),
+            "", "The ratios:", "",
+            table(["step", "after / compute", "overlapped / compute", "bound / compute",
+                   "overlapped / bound"],
+                  [["allreduce", mlp["after_ratio"], mlp["overlapped_ratio"], bound,
+                    mlp.get("overlapped_vs_bound")],
+                   ["ZeRO", mlp["zero_after_ratio"], mlp["zero_overlapped_ratio"], bound,
+                    mlp.get("zero_overlapped_vs_bound")]]),
             "", "`overlapped / bound`: the median of the repetitions' overlapped step over "
             "that repetition's bound (the target's measure; `bound / compute` likewise).", "",
             "Halo exchange: 2-D reaction-diffusion on a grid split by rows, one halo row of "
